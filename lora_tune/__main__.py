@@ -1,0 +1,3 @@
+from lora_tune.cli import entry
+
+entry()

@@ -1,0 +1,142 @@
+"""Inject LoRA adapters (peft) into the frozen base, and write them out in peft's layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from lora_tune.errors import UserError
+
+
+def default_target_modules(model) -> list[str]:
+    """Short names of every linear layer inside the transformer blocks (q_proj, ..., down_proj).
+
+    bitsandbytes' Linear8bitLt / Linear4bit subclass nn.Linear, so quantised bases resolve the same.
+    The output head and anything outside the blocks are left out on purpose.
+    """
+    names = set()
+    for full_name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and ".layers." in f".{full_name}" and "lm_head" not in full_name:
+            names.add(full_name.rsplit(".", 1)[-1])
+    if not names:
+        raise UserError("no linear layers found inside the transformer blocks; pass --target-modules explicitly")
+    return sorted(names)
+
+
+def lora_config(cfg, target_modules: list[str]):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=target_modules,
+        use_rslora=cfg.rslora,
+        use_dora=cfg.dora,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def check_target_modules(model, target_modules: list[str]) -> None:
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in target_modules if t not in present]
+    if missing:
+        linear = default_target_modules(model)
+        raise UserError(f"--target-modules: {', '.join(missing)} not found in this model; its linear layers are {' '.join(linear)}")
+
+
+def add_lora(model, cfg, base_id: str):
+    """Wrap the base with trainable LoRA layers (fp32), checkpointing set up for peft.
+
+    Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad.
+    """
+    from peft import get_peft_model
+
+    targets = cfg.target_modules or default_target_modules(model)
+    check_target_modules(model, targets)
+    if cfg.gradient_checkpointing:
+        # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
+        # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
+        # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    torch.manual_seed(cfg.seed)  # LoRA A is initialised randomly: make it part of the seeded math
+    peft_model = get_peft_model(model, lora_config(cfg, targets))
+    peft_model.peft_config["default"].base_model_name_or_path = base_id
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # LoRA trains in fp32 whatever the base is stored in
+    return peft_model
+
+
+def trainable_state_dict(peft_model) -> dict[str, torch.Tensor]:
+    """The adapter weights under peft's saved names (no '.default'), on CPU, contiguous."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+
+
+def check_adapter_state(state: dict[str, torch.Tensor], lora_cfg) -> None:
+    """Refuse to write an empty or shapeless adapter (the ZeRO-3 failure mode, peft #2892)."""
+    if not state:
+        raise RuntimeError("the adapter state is empty; refusing to write it")
+    for name, t in state.items():
+        if t.numel() == 0:
+            raise RuntimeError(f"adapter tensor {name} is empty (shape {tuple(t.shape)}); refusing to write it")
+        if "lora_A" in name and t.shape[0] != lora_cfg.r and not lora_cfg.rank_pattern:
+            raise RuntimeError(f"adapter tensor {name} has shape {tuple(t.shape)}, expected rank {lora_cfg.r} rows")
+
+
+def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write adapter_config.json + adapter_model.safetensors into out_dir (peft's layout).
+
+    Each file is written to a temporary name and renamed, so a crash leaves the old file or the
+    new one, never half of one.
+    """
+    import os
+
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    lora_cfg = peft_model.peft_config["default"]
+    state = trainable_state_dict(peft_model) if state is None else state
+    check_adapter_state(state, lora_cfg)
+    tmp_weights = out / f".adapter_model.safetensors.tmp-{os.getpid()}"
+    save_file(state, str(tmp_weights), metadata={"format": "pt"})
+    _fsync(tmp_weights)
+    tmp_config_dir = out / f".adapter_config.tmp-{os.getpid()}"
+    lora_cfg.save_pretrained(str(tmp_config_dir))
+    _fsync(tmp_config_dir / "adapter_config.json")
+    os.replace(tmp_weights, out / "adapter_model.safetensors")
+    os.replace(tmp_config_dir / "adapter_config.json", out / "adapter_config.json")
+    tmp_config_dir.rmdir()
+
+
+def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:
+    """Load adapter weights saved by save_adapter back into an identically configured PeftModel."""
+    from peft import set_peft_model_state_dict
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir) / "adapter_model.safetensors"
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+    result = set_peft_model_state_dict(peft_model, state)
+    if getattr(result, "unexpected_keys", None):
+        raise UserError(f"{path} does not match this LoRA configuration (unexpected: {result.unexpected_keys[:3]})")
+
+
+def _fsync(path: Path) -> None:
+    import os
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

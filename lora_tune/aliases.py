@@ -1,0 +1,89 @@
+"""Model aliases: short names that map to a hub id and carry the architecture (config.json) offline.
+
+The architecture files live in `lora_tune/architectures/ALIAS.json`, so `plan` and validation know
+the shapes of a 70B without touching the network; weights still come from the hub or a local path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from lora_tune.errors import UserError, did_you_mean
+
+
+@dataclass(frozen=True)
+class Alias:
+    name: str
+    hub_id: str  # where the weights come from; "local:tiny-llama" means built on this machine
+    description: str
+
+
+ALIASES = {
+    a.name: a
+    for a in [
+        Alias("llama-70b", "meta-llama/Llama-3.1-70B", "Llama-3.1 70B"),
+        Alias("llama-8b", "meta-llama/Llama-3.1-8B", "Llama-3.1 8B"),
+        Alias("llama2-7b", "meta-llama/Llama-2-7b-hf", "Llama-2 7B"),
+        Alias("llama2-13b", "meta-llama/Llama-2-13b-hf", "Llama-2 13B"),
+        Alias("llama2-70b", "meta-llama/Llama-2-70b-hf", "Llama-2 70B"),
+        Alias("mistral-7b", "mistralai/Mistral-7B-v0.1", "Mistral 7B v0.1"),
+        Alias("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen2.5 7B"),
+        Alias("qwen2.5-72b", "Qwen/Qwen2.5-72B", "Qwen2.5 72B"),
+        Alias("tiny-llama", "local:tiny-llama", "2-layer Llama with random weights, built offline (demo and tests)"),
+    ]
+}
+
+
+def architecture(alias: str) -> dict:
+    """The shipped config.json of an alias (the tiny one is computed, not shipped)."""
+    if alias == "tiny-llama":
+        from lora_tune.tiny_model import tiny_llama_config
+
+        return tiny_llama_config(512).to_dict()
+    text = resources.files("lora_tune.architectures").joinpath(f"{alias}.json").read_text()
+    return json.loads(text)
+
+
+def tiny_llama_dir() -> Path:
+    """Build the tiny demo model once per machine, in the user cache, and return its folder."""
+    import os
+    import shutil
+
+    from lora_tune.tiny_model import build_tiny_llama
+
+    root = Path(os.environ.get("LORA_TUNE_CACHE", Path.home() / ".cache" / "lora_tune")) / "tiny-llama"
+    if not (root / "model.safetensors").is_file():
+        tmp = root.with_name(f"tiny-llama.tmp-{os.getpid()}")
+        build_tiny_llama(tmp)
+        try:
+            tmp.rename(root)  # atomic: a folder named tiny-llama is always complete
+        except OSError:
+            shutil.rmtree(tmp)  # another process finished first
+    return root
+
+
+def looks_like_path(base: str) -> bool:
+    return base.startswith((".", "/", "~")) or Path(base).exists() or base.count("/") > 1
+
+
+def resolve_base(base: str) -> str:
+    """Turn --base into something `from_pretrained` takes: a local folder or a hub id.
+
+    Fails before any loading: unknown aliases get a suggestion, missing folders are named.
+    """
+    if base in ALIASES:
+        hub_id = ALIASES[base].hub_id
+        return str(tiny_llama_dir()) if hub_id == "local:tiny-llama" else hub_id
+    if looks_like_path(base):
+        path = Path(base).expanduser()
+        if not path.is_dir():
+            raise UserError(f"--base: directory {base} does not exist; give a model folder, a hub id (org/name) or an alias from `lora-tune models`")
+        if not (path / "config.json").is_file():
+            raise UserError(f"--base: {base} has no config.json; point it at a Hugging Face model folder")
+        return str(path)
+    if "/" not in base:
+        raise UserError(f"--base: unknown model alias '{base}'{did_you_mean(base, ALIASES)}; run `lora-tune models` for the list, or give a hub id (org/name) or a local directory")
+    return base

@@ -1,0 +1,173 @@
+"""Checkpoints that survive crashes: temp folder, fsync, completion marker, rename.
+
+A checkpoint folder `checkpoint-STEP/` is only ever seen complete: it is built under a hidden
+temporary name, its files are flushed, the marker `COMPLETE` is written last, and then the whole
+folder is renamed into place (atomic on POSIX). Resume only looks at folders with the marker, so a
+kill at any moment leaves the previous checkpoint as the newest valid one.
+
+Contents: the adapter (safetensors), optimizer state (torch.save of tensors and numbers, loaded
+with weights_only=True, so no pickle code can run), scheduler state and trainer state (JSON), RNG
+states (safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from lora_tune.errors import UserError
+
+MARKER = "COMPLETE"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(path)
+
+
+def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
+    """(complete, incomplete) checkpoint folders, oldest first."""
+    complete, incomplete = [], []
+    if not output_dir.is_dir():
+        return complete, incomplete
+    for p in output_dir.iterdir():
+        m = _NAME.match(p.name)
+        if m and p.is_dir():
+            (complete if (p / MARKER).is_file() else incomplete).append(p)
+    key = lambda p: int(_NAME.match(p.name).group(1))  # noqa: E731
+    return sorted(complete, key=key), sorted(incomplete, key=key)
+
+
+def temp_checkpoint_dirs(output_dir: Path) -> list[Path]:
+    return sorted(output_dir.glob(".checkpoint-*.tmp*")) if output_dir.is_dir() else []
+
+
+def newest_complete(output_dir: Path) -> Path | None:
+    complete, _ = list_checkpoints(output_dir)
+    return complete[-1] if complete else None
+
+
+class CheckpointWriter:
+    """Context manager: yields a temp folder to fill; on clean exit it is committed atomically,
+    on any exception it is removed and the previous checkpoints are untouched."""
+
+    def __init__(self, output_dir: Path, step: int):
+        self.output_dir = output_dir
+        self.final = output_dir / f"checkpoint-{step}"
+        self.tmp = output_dir / f".checkpoint-{step}.tmp-{os.getpid()}"
+
+    def __enter__(self) -> Path:
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        try:
+            fsync_tree(self.tmp)
+            (self.tmp / MARKER).write_text("ok\n")
+            fsync_tree(self.tmp)
+            if self.final.exists():  # a re-save of the same step (e.g. after a resume)
+                stale = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+                os.replace(self.final, stale)
+                os.replace(self.tmp, self.final)
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.replace(self.tmp, self.final)
+            fsync_dir(self.output_dir)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
+        return False
+
+
+def rotate(output_dir: Path, keep: int | None) -> list[Path]:
+    """Remove the oldest complete checkpoints beyond `keep`; the newest is never among them."""
+    if not keep:
+        return []
+    complete, _ = list_checkpoints(output_dir)
+    doomed = complete[:-keep] if len(complete) > keep else []
+    for p in doomed:
+        # Drop the marker first: a crash mid-delete leaves an incomplete folder, never a "complete"
+        # one with missing files.
+        (p / MARKER).unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+# --- the pieces a checkpoint holds ---------------------------------------------------------------
+def write_json(path: Path, data) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is unreadable or corrupt ({e}); delete that checkpoint to resume from an older one") from None
+
+
+def save_torch_state(path: Path, state) -> None:
+    torch.save(state, path)
+
+
+def load_torch_state(path: Path):
+    """Optimizer state: tensors and plain numbers only, so weights_only=True refuses any pickle
+    that would construct objects or run code (CVE-2025-32434 class of attacks)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError for truncation
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path} is corrupt or unsafe to load ({first}); delete that checkpoint to resume from an older one") from None
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"torch_cuda_{i}"] = s
+    return state
+
+
+def save_rng(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(rng_state(), str(path))
+
+
+def load_rng(path: Path) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+    torch.set_rng_state(state["torch_cpu"])
+    if torch.cuda.is_available():
+        cuda = [state[k] for k in sorted(k for k in state if k.startswith("torch_cuda_"))]
+        if cuda:
+            torch.cuda.set_rng_state_all(cuda)

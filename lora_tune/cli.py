@@ -1,0 +1,125 @@
+"""`lora-tune` command line. Flags are generated from the typed config, so the YAML keys, the flags
+and `--help` can never drift apart. Bad input ends in one `error:` line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import typing
+from typing import Any
+
+from lora_tune.config import TrainConfig, build_config, flag, read_yaml
+from lora_tune.errors import UserError
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is a single `error:` line (no usage dump), exit code 2."""
+
+    def error(self, message):
+        print(f"error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _unwrap(annotation):
+    """(base type, is_list) for Optional[X] / list[X] annotations."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
+        annotation = args[0]
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
+    """One flag per field; defaults are SUPPRESSed so we know which flags were really given."""
+    for name, f in schema.model_fields.items():
+        kind, is_list = _unwrap(f.annotation)
+        default = "" if f.is_required() else f" (default: {f.default if f.default is not None else 'unset'})"
+        help_text = (f.description or "") + default
+        kw: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+        if kind is bool:
+            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if typing.get_origin(kind) is typing.Literal:
+            kw["metavar"] = "|".join(typing.get_args(kind))
+            kind = str  # validated by the schema, so the message is the same for YAML and flags
+        if is_list:
+            kw["nargs"] = "+"
+        parser.add_argument(flag(name), type=kind, **kw)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(prog="lora-tune", description="Fine-tune large language models with LoRA on the GPUs you have.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
+    sub.required = True
+
+    train = sub.add_parser("train", help="train a LoRA adapter", description="Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).")
+    train.add_argument("--config", metavar="FILE", help="YAML file with any of the options below (keys use underscores, e.g. max_seq_len)")
+    add_schema_flags(train, TrainConfig)
+
+    sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
+    return parser
+
+
+def config_from_args(schema, args: argparse.Namespace, skip=("command", "config")):
+    flags = {k: v for k, v in vars(args).items() if k not in skip}
+    file_values = read_yaml(args.config) if getattr(args, "config", None) else {}
+    return build_config(schema, file_values, flags, source=args.config or "config")
+
+
+def cmd_models() -> int:
+    from lora_tune.aliases import ALIASES, architecture
+
+    print(f"{'alias':<13} {'hub id':<28} {'params':>8}  description")
+    for a in ALIASES.values():
+        arch = architecture(a.name)
+        print(f"{a.name:<13} {a.hub_id:<28} {approx_params(arch) / 1e9:>7.2f}B  {a.description}")
+    return 0
+
+
+def approx_params(arch: dict) -> float:
+    """Parameter count of a Llama-style config (embeddings, attention, SwiGLU MLP, norms, head)."""
+    h, i, layers, vocab = arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"], arch["vocab_size"]
+    heads = arch["num_attention_heads"]
+    kv = arch.get("num_key_value_heads", heads)
+    head_dim = arch.get("head_dim") or h // heads
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    per_layer = attn + 3 * h * i + 2 * h
+    head = 0 if arch.get("tie_word_embeddings") else vocab * h
+    return vocab * h + layers * per_layer + h + head
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            return cmd_models()
+        if args.command == "train":
+            from lora_tune.train import TrainingStopped, run
+
+            cfg = config_from_args(TrainConfig, args)
+            try:
+                run(cfg)
+            except TrainingStopped as stop:
+                print(f"stopped: {stop}", file=sys.stderr)
+                return stop.exit_code
+            return 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 2
+
+
+def entry() -> None:
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    entry()

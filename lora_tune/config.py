@@ -1,0 +1,182 @@
+"""The typed configuration of a training run: one schema for YAML files, CLI flags and `--help`.
+
+Every field here is a YAML key and a flag (`max_seq_len` <-> `--max-seq-len`); its description is the
+help text. Fields are tagged by how they behave on `--resume`: "math" fields change what the run
+computes and must match the checkpoint; the others (run length, cadence, reporting) may change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from lora_tune.errors import UserError, did_you_mean
+
+Precision = Literal["bf16", "fp16", "fp32", "8bit", "4bit"]
+MATH = {"resume_rule": "math"}  # changing it on resume changes the result: refused
+FREE = {"resume_rule": "free"}  # run length, cadence, reporting, paths: may change on resume
+
+
+class TrainConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # --- model -------------------------------------------------------------------------------
+    base: str = Field(json_schema_extra=MATH, description="Base model: an alias (see `lora-tune models`), a hub id or a local directory.")
+    precision: Precision = Field("bf16", json_schema_extra=MATH, description="Base weights: bf16, fp16 (with loss scaling), fp32, 8bit (LLM.int8) or 4bit (NF4, double quant, bf16 compute). LoRA weights always train in fp32.")
+    trust_remote_code: bool = Field(False, json_schema_extra=MATH, description="Run model code shipped with a hub repo. Off by default: it executes arbitrary code.")
+    allow_bin: bool = Field(False, json_schema_extra=FREE, description="Allow loading pickle-based .bin weights when a model has no safetensors (unsafe with untrusted models).")
+
+    # --- LoRA --------------------------------------------------------------------------------
+    rank: int = Field(16, json_schema_extra=MATH, description="LoRA rank r.")
+    alpha: Optional[float] = Field(None, json_schema_extra=MATH, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with --rslora). Default: 2 x rank.")
+    dropout: float = Field(0.05, json_schema_extra=MATH, description="Dropout on the LoRA input.")
+    target_modules: Optional[list[str]] = Field(None, json_schema_extra=MATH, description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).")
+    rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
+    dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
+
+    # --- data --------------------------------------------------------------------------------
+    data: str = Field(json_schema_extra=MATH, description="Training data: a .jsonl/.json/.parquet/.csv file or folder, or a hub dataset name. Columns decide the format: text | instruction/input/output | messages | prompt/completion.")
+    eval_data: Optional[str] = Field(None, json_schema_extra=MATH, description="Evaluation data, same formats as --data.")
+    eval_split: float = Field(0.0, json_schema_extra=MATH, description="Fraction of --data held out for evaluation when --eval-data is not given (e.g. 0.05).")
+    eval_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Evaluate every N optimizer steps (default: only at the end, when there is eval data).")
+    max_seq_len: int = Field(2048, json_schema_extra=MATH, description="Maximum tokens per sample.")
+    long_samples: Literal["truncate", "drop"] = Field("truncate", json_schema_extra=MATH, description="What to do with samples longer than --max-seq-len.")
+    train_on_prompt: bool = Field(False, json_schema_extra=MATH, description="Also compute the loss on prompt / user tokens (default: only on the response).")
+
+    # --- optimisation ------------------------------------------------------------------------
+    optim: Literal["adamw_8bit", "paged_adamw_8bit", "adamw"] = Field("adamw_8bit", json_schema_extra=MATH, description="Optimizer: bitsandbytes 8-bit AdamW (default), its paged variant, or torch AdamW.")
+    lr: float = Field(2e-4, json_schema_extra=MATH, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, json_schema_extra=MATH, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, json_schema_extra=MATH, description="Linear warmup steps (overrides --warmup-ratio when > 0).")
+    warmup_ratio: float = Field(0.0, json_schema_extra=MATH, description="Warmup as a fraction of the total steps.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup.")
+    max_grad_norm: float = Field(1.0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
+    gradient_checkpointing: bool = Field(True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory.")
+    micro_batch_size: int = Field(1, json_schema_extra=MATH, description="Samples per forward/backward.")
+    grad_accum: int = Field(1, json_schema_extra=MATH, description="Micro-batches per optimizer step.")
+    epochs: float = Field(1.0, json_schema_extra=FREE, description="Passes over the data (ignored when --max-steps is given).")
+    max_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Stop after this many optimizer steps.")
+    seed: int = Field(42, json_schema_extra=MATH, description="Seed for data order, LoRA init and dropout.")
+    max_bad_steps: int = Field(3, json_schema_extra=FREE, description="Stop after this many consecutive steps with NaN/inf loss or gradient norm (those steps are skipped, and logged).")
+
+    # --- output ------------------------------------------------------------------------------
+    output_dir: str = Field(json_schema_extra=FREE, description="Where the adapter, checkpoints and metrics go.")
+    save_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Write a checkpoint every N optimizer steps (default: only at the end).")
+    save_total_limit: Optional[int] = Field(None, json_schema_extra=FREE, description="Keep at most N checkpoints (the newest complete one is never removed).")
+    resume: bool = Field(False, json_schema_extra=FREE, description="Continue from the newest complete checkpoint in --output-dir.")
+    allow_config_change: bool = Field(False, json_schema_extra=FREE, description="On --resume, accept a configuration or dataset that differs from the checkpoint's.")
+    logging_steps: int = Field(1, json_schema_extra=FREE, description="Write metrics every N optimizer steps.")
+    report_to: Literal["none", "tensorboard", "wandb"] = Field("none", json_schema_extra=FREE, description="Also send metrics to TensorBoard or Weights & Biases.")
+
+    # --- validators: each message names the fix ------------------------------------------------
+    @field_validator("rank")
+    @classmethod
+    def _rank(cls, v):
+        if v <= 0:
+            raise ValueError(f"must be a positive integer (got {v}); typical values are 8, 16, 32, 64")
+        return v
+
+    @field_validator("lr")
+    @classmethod
+    def _lr(cls, v):
+        if not v > 0:
+            raise ValueError(f"must be > 0 (got {v}); LoRA usually trains with 1e-4 to 3e-4")
+        return v
+
+    @field_validator("max_seq_len", "micro_batch_size", "grad_accum", "logging_steps", "max_bad_steps")
+    @classmethod
+    def _positive(cls, v):
+        if v <= 0:
+            raise ValueError(f"must be a positive integer (got {v})")
+        return v
+
+    @field_validator("max_steps", "save_steps", "eval_steps", "save_total_limit")
+    @classmethod
+    def _positive_or_none(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError(f"must be a positive integer (got {v}); leave it out to disable")
+        return v
+
+    @field_validator("dropout", "eval_split", "warmup_ratio")
+    @classmethod
+    def _fraction(cls, v):
+        if not 0.0 <= v < 1.0:
+            raise ValueError(f"must be in [0, 1) (got {v})")
+        return v
+
+    @field_validator("epochs")
+    @classmethod
+    def _epochs(cls, v):
+        if not v > 0:
+            raise ValueError(f"must be > 0 (got {v})")
+        return v
+
+    @field_validator("warmup_steps", "weight_decay", "max_grad_norm")
+    @classmethod
+    def _non_negative(cls, v):
+        if v < 0:
+            raise ValueError(f"must be >= 0 (got {v})")
+        return v
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v):
+        if v is not None and (not v or "lm_head" in v):
+            raise ValueError("give module names such as q_proj v_proj (lm_head is never adapted); leave it out for all linear layers")
+        return v
+
+    # --- derived -----------------------------------------------------------------------------
+    @property
+    def lora_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
+
+    @classmethod
+    def math_keys(cls) -> list[str]:
+        return [n for n, f in cls.model_fields.items() if (f.json_schema_extra or {}).get("resume_rule") == "math"]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file {path} does not exist; pass an existing YAML file to --config")
+    try:
+        loaded = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file {path} is not valid YAML{where}; fix the syntax") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"config file {path} must be a mapping of option: value")
+    return loaded
+
+
+def build_config(schema: type[BaseModel], file_values: dict[str, Any], flag_values: dict[str, Any], source: str = "config") -> BaseModel:
+    """Merge defaults < YAML file < CLI flags and validate; every problem becomes a UserError."""
+    known = schema.model_fields
+    for key in file_values:
+        if key not in known:
+            raise UserError(f"unknown key '{key}' in {source}{did_you_mean(key, known)}; see `lora-tune train --help` for the options")
+    merged = {**file_values, **flag_values}
+    try:
+        return schema(**merged)
+    except ValidationError as e:
+        err = e.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        if err["type"] == "missing":
+            raise UserError(f"{flag(name)} is required (or `{name}:` in the --config file)") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        got = err.get("input")
+        if err["type"] == "literal_error":
+            msg = f"got {got!r}; {msg.lower()}"
+        elif "parsing" in err["type"] or err["type"].endswith("_type"):
+            msg = f"got {got!r}; {msg.lower()}"
+        raise UserError(f"{flag(name)}: {msg}") from None

@@ -1,0 +1,135 @@
+"""The engine: forward/backward, gradient clipping, optimizer and LR schedule on one device.
+
+This is the seam between the training loop and how the math is executed. The loop only calls
+`forward_backward`, `step`, `evaluate`, `state_dict` / `load_state_dict`; a DeepSpeed engine
+implements the same methods, so the loop never branches on the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+
+import torch
+
+from lora_tune.model_loading import compute_dtype
+
+log = logging.getLogger("lora_tune")
+
+
+def build_optimizer(name: str, params, lr: float, weight_decay: float):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    import bitsandbytes as bnb
+
+    if name == "adamw_8bit":
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    if name == "paged_adamw_8bit":
+        # Paged states spill to host memory under pressure on CUDA; elsewhere bnb runs it unpaged.
+        return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(name)
+
+
+def warmup_steps(cfg, total_steps: int) -> int:
+    return cfg.warmup_steps if cfg.warmup_steps > 0 else math.ceil(cfg.warmup_ratio * total_steps)
+
+
+def build_scheduler(cfg, optimizer, total_steps: int):
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_scheduler]
+    return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps), num_training_steps=total_steps)
+
+
+class SingleDeviceEngine:
+    def __init__(self, model, cfg, device: torch.device, total_steps: int):
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg.optim, self.params, cfg.lr, cfg.weight_decay)
+        self.scheduler = build_scheduler(cfg, self.optimizer, total_steps)
+        # fp16 has a narrow exponent range: scale the loss so small gradients don't flush to zero.
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.autocast_dtype = None if cfg.precision == "fp32" else compute_dtype(cfg.precision)
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _to_device(self, batch):
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+        """Backward of this micro-batch's share of the step loss.
+
+        The loss is summed over tokens and divided by the label tokens of the *whole* step, so a
+        step over several micro-batches equals one big batch exactly (no mean-of-means bias).
+        Returns the detached share (their sum over a step is the step's mean token loss).
+        """
+        batch = self._to_device(batch)
+        self.model.train()
+        with self._autocast():
+            out = self.model(**batch, num_items_in_batch=num_label_tokens)
+        loss = out.loss
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach().float()
+
+    def step(self) -> tuple[float, bool]:
+        """Clip, step the optimizer and the schedule. Returns (grad norm, applied).
+
+        A non-finite gradient norm skips the update (the scaler does this itself for fp16, where an
+        overflow is routine and only lowers the scale).
+        """
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        applied = math.isfinite(grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm, applied
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> tuple[float, int]:
+        """(summed token loss, label tokens) over the given batches."""
+        from lora_tune.data import label_tokens
+
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for batch in batches:
+            n = label_tokens(batch)
+            with self._autocast():
+                out = self.model(**self._to_device(batch), num_items_in_batch=n)
+            total += float(out.loss) * n
+            tokens += n
+        self.model.train()
+        return total, tokens
+
+    # --- checkpoint state -------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -1,0 +1,91 @@
+"""Metrics: one JSON line per logged step in OUTPUT_DIR/metrics.jsonl, optional TensorBoard / W&B,
+and the progress bar. Non-finite losses are written as they are (as strings), never filtered."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+from lora_tune.errors import UserError
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak allocated by tensors; CPU: peak resident set size of this process."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "nan" / "inf": visible in the log, valid JSON
+    return v
+
+
+def check_reporter(report_to: str) -> None:
+    """Fail before loading anything when the chosen reporter isn't installed."""
+    module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(report_to)
+    if module is None:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"--report-to {report_to}: the '{module}' package is not installed; pip install {module}, or use --report-to none")
+
+
+class MetricsLog:
+    def __init__(self, output_dir: Path, report_to: str, config: dict, resume_step: int | None):
+        self.path = output_dir / "metrics.jsonl"
+        if resume_step is not None and self.path.exists():
+            # Lines written after the checkpoint we resume from belong to steps that will be redone.
+            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        self.file = self.path.open("a")
+        self.tb = self.wandb = None
+        if report_to == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(output_dir / "tensorboard"))
+        elif report_to == "wandb":
+            import wandb
+
+            self.wandb = wandb.init(config=config, dir=str(output_dir), resume="allow")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+        self.file.flush()
+        step = record.get("step", 0)
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tb:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(numbers, step=step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+class Progress:
+    """tqdm bar over optimizer steps: loss, tokens/s, peak memory; tqdm computes the ETA."""
+
+    def __init__(self, total: int, initial: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
+
+    def update(self, loss: float, tokens_per_s: float, peak_bytes: int) -> None:
+        self.bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | peak {peak_bytes / 2**30:.2f} GiB", refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

@@ -1,0 +1,95 @@
+"""Load the tokenizer and the base model in the requested precision.
+
+The tokenizer is loaded first and alone: it is cheap, and the data stage needs it to validate the
+dataset before we spend minutes (or an hour, for a 70B) loading weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from lora_tune.errors import UserError
+
+log = logging.getLogger("lora_tune")
+
+# What the base weights are stored in, and what matmuls run in, per --precision.
+WEIGHT_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "8bit": torch.bfloat16, "4bit": torch.bfloat16}
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    return WEIGHT_DTYPE[precision]
+
+
+def load_tokenizer(base_path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if trust_remote_code:
+        log.warning("trust_remote_code is on: code from %s will run on this machine", base_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(base_path, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise UserError(f"--base: could not load a tokenizer from {base_path} ({_first_line(e)}); check the id/path, your network or HF_TOKEN") from None
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"--base: the tokenizer of {base_path} has no EOS token; the model could never learn to stop")
+    return tokenizer
+
+
+def quantization_config(precision: str):
+    from transformers import BitsAndBytesConfig
+
+    if precision == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if precision == "4bit":
+        # QLoRA's recipe: NF4 storage, double-quantised scales (~4.127 bits/param), bf16 matmuls.
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        )
+    return None
+
+
+def has_safetensors(base_path: str) -> bool:
+    p = Path(base_path)
+    if p.is_dir():
+        return any(p.glob("*.safetensors"))
+    return True  # hub ids: from_pretrained picks safetensors when the repo has them
+
+
+def load_base_model(base_path: str, precision: str, device: torch.device, trust_remote_code: bool = False, allow_bin: bool = False):
+    """The frozen base, on `device`, in `precision`; nothing trainable yet."""
+    from transformers import AutoModelForCausalLM
+
+    if not allow_bin and not has_safetensors(base_path):
+        raise UserError(f"--base: {base_path} has only pickle (.bin) weights, which can run code when loaded; convert them to safetensors or pass --allow-bin if you trust them")
+    kwargs = dict(dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code, use_safetensors=None if allow_bin else True)
+    quant = quantization_config(precision)
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+    # device_map puts each weight straight onto its device while loading, so the host never holds
+    # a second copy (and bitsandbytes quantises shard by shard as the weights arrive).
+    kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+    except OSError as e:
+        raise UserError(f"--base: could not load weights from {base_path} ({_first_line(e)})") from None
+    model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        import os
+
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -1,0 +1,103 @@
+"""Build a tiny Llama (2 layers, a BPE tokenizer trained on the spot, a chat template) offline.
+
+It backs the `tiny-llama` alias used by the quick start and the tests: everything goes through the
+real `from_pretrained` path afterwards, only the weights are random and small.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# A Llama-3-style template: every assistant turn ends with the EOS token, so a model trained on it
+# learns to stop. It is the template `tiny-llama` ships with.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+_CORPUS = [
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
+    "### Instruction:", "### Input:", "### Response:", "### System:", "### User:", "### Assistant:",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Translate to French: good morning. Bonjour.",
+    "Add two numbers: 2 and 3. The answer is 5.",
+    "Name a primary colour. Red, blue and yellow are primary colours.",
+    "List three fruits. Apple, banana and cherry.",
+    "0 1 2 3 4 5 6 7 8 9 ten eleven twelve hundred thousand",
+    "user assistant system hello world question answer summary story poem code python",
+]
+
+
+def train_tiny_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer with <s>, </s>, <pad>, trained on a fixed corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    # Like Llama, BOS is prepended by the tokenizer itself; EOS is appended by the data stage.
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama_config(vocab_size: int, **overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, with_chat_template: bool = True, **config_overrides) -> Path:
+    """Write a loadable tiny Llama (safetensors weights + tokenizer) to `out_dir` and return it."""
+    from transformers import LlamaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tiny_tokenizer()
+    if not with_chat_template:
+        tokenizer.chat_template = None
+    config = tiny_llama_config(len(tokenizer), **config_overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
+    )
+    return out

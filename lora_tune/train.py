@@ -1,0 +1,245 @@
+"""The training recipe: setup -> train -> save -> cleanup.
+
+Everything that can be wrong with the user's input is checked in `setup` before the weights are
+loaded (config, output folder, base, tokenizer, the whole dataset, resume compatibility). The loop
+itself is flat: build the step's micro-batches, forward/backward each, one optimizer step, then
+log / evaluate / checkpoint / stop as the cadence says.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from lora_tune import checkpoint as ckpt
+from lora_tune.adapter import add_lora, load_adapter_weights, save_adapter
+from lora_tune.aliases import resolve_base
+from lora_tune.config import TrainConfig
+from lora_tune.data import PreparedData, collate, label_tokens, micro_batch_indices, prepare_data
+from lora_tune.engine import SingleDeviceEngine
+from lora_tune.errors import UserError
+from lora_tune.metrics import MetricsLog, Progress, check_reporter, peak_memory_bytes
+from lora_tune.model_loading import load_base_model, load_tokenizer, pick_device
+
+log = logging.getLogger("lora_tune")
+
+RUN_FILES = ("lora_tune_config.yaml", "adapter_config.json", "metrics.jsonl")
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class TrainingStopped(Exception):
+    """Raised after a clean, checkpointed stop (signal or repeated NaN); carries the exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class RunState:
+    """What, besides the engine state, an exact resume needs (saved as trainer_state.json)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    bad_steps_in_a_row: int = 0
+    best_eval_loss: float | None = None
+
+
+def total_steps(cfg: TrainConfig, n_samples: int) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    per_epoch = math.ceil(n_samples / cfg.micro_batch_size)
+    return max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+
+
+def math_config(cfg: TrainConfig) -> dict:
+    return {k: getattr(cfg, k) for k in TrainConfig.math_keys()}
+
+
+# --- setup --------------------------------------------------------------------------------------
+def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
+    """The output folder, and the checkpoint to resume from (None for a fresh run)."""
+    out = Path(cfg.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir: {out} is a file; give a folder")
+    complete, incomplete = ckpt.list_checkpoints(out)
+    holds_run = bool(complete or incomplete) or any((out / f).exists() for f in RUN_FILES)
+    if not cfg.resume:
+        if holds_run:
+            raise UserError(f"--output-dir: {out} already holds a run; pass --resume to continue it, or choose another --output-dir")
+        return out, None
+    if not complete:
+        hint = f" ({len(incomplete)} incomplete ignored)" if incomplete else ""
+        raise UserError(f"--resume: no complete checkpoint in {out}{hint}; start without --resume or point --output-dir at the run")
+    newer_incomplete = [p.name for p in incomplete if int(p.name.split("-")[1]) > int(complete[-1].name.split("-")[1])]
+    if newer_incomplete:
+        log.warning("ignoring incomplete checkpoint(s) %s (no %s marker)", ", ".join(newer_incomplete), ckpt.MARKER)
+    return out, complete[-1]
+
+
+def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir: Path) -> dict:
+    state = ckpt.read_json(checkpoint_dir / "trainer_state.json")
+    saved = state.get("math_config", {})
+    now = math_config(cfg)
+    differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if state.get("data_fingerprint") != data.fingerprint:
+        differing.append("data content (fingerprint)")
+    if differing and not cfg.allow_config_change:
+        details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" if k in now else k for k in differing)
+        raise UserError(f"--resume: the run in {checkpoint_dir.parent} was trained with other settings ({details}); restore them, or pass --allow-config-change")
+    if differing:
+        log.warning("resuming with changed settings (--allow-config-change): %s", ", ".join(differing))
+    return state
+
+
+class Recipe:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.stop_signal: int | None = None
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        check_reporter(cfg.report_to)
+        self.output_dir, self.resume_from = check_output_dir(cfg)
+        self.base_path = resolve_base(cfg.base)
+        self.base_id = self.base_path if not Path(self.base_path).is_dir() else str(Path(self.base_path).resolve())
+        self.tokenizer = load_tokenizer(self.base_path, cfg.trust_remote_code)
+        self.data = prepare_data(cfg, self.tokenizer)
+        log.info("data: %s format, %s; %d train / %d eval samples", self.data.format, self.data.stats.summary(), len(self.data.train), len(self.data.eval))
+        saved_state = check_resume_compatible(cfg, self.data, self.resume_from) if self.resume_from else None
+        self.total_steps = total_steps(cfg, len(self.data.train))
+
+        # Only now, with every input checked, the expensive part.
+        self.device = pick_device()
+        model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin)
+        self.model = add_lora(model, cfg, self.base_id)
+        self.engine = SingleDeviceEngine(self.model, cfg, self.device, self.total_steps)
+        self.state = RunState()
+        if saved_state:
+            self._load_checkpoint(self.resume_from, saved_state)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "lora_tune_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+        self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if self.resume_from else None)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        log.info("trainable parameters: %s; %d optimizer steps; device %s", f"{trainable:,}", self.total_steps, self.device)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def _load_checkpoint(self, path: Path, saved_state: dict) -> None:
+        load_adapter_weights(self.model, path)
+        self.engine.load_state_dict(ckpt.load_torch_state(path / "training_state.pt"))
+        ckpt.load_rng(path / "rng_state.safetensors")
+        self.state = RunState(**{k: saved_state[k] for k in ("step", "tokens_seen", "bad_steps_in_a_row", "best_eval_loss")})
+        log.info("resumed from %s (step %d)", path, self.state.step)
+
+    def save_checkpoint(self) -> Path:
+        with ckpt.CheckpointWriter(self.output_dir, self.state.step) as tmp:
+            save_adapter(self.model, tmp)
+            ckpt.save_torch_state(tmp / "training_state.pt", self.engine.state_dict())
+            ckpt.save_rng(tmp / "rng_state.safetensors")
+            ckpt.write_json(tmp / "trainer_state.json", {
+                "step": self.state.step,
+                "tokens_seen": self.state.tokens_seen,
+                "bad_steps_in_a_row": self.state.bad_steps_in_a_row,
+                "best_eval_loss": self.state.best_eval_loss,
+                "micro_batches_done": self.state.step * self.cfg.grad_accum,
+                "data_fingerprint": self.data.fingerprint,
+                "math_config": math_config(self.cfg),
+            })
+        removed = ckpt.rotate(self.output_dir, self.cfg.save_total_limit)
+        if removed:
+            log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
+        return self.output_dir / f"checkpoint-{self.state.step}"
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _step_batches(self, step: int) -> list[dict]:
+        first = step * self.cfg.grad_accum
+        return [
+            collate([self.data.train[i] for i in micro_batch_indices(len(self.data.train), self.cfg.micro_batch_size, self.cfg.seed, j)], self.pad_id)
+            for j in range(first, first + self.cfg.grad_accum)
+        ]
+
+    def _evaluate(self) -> dict:
+        samples = self.data.eval
+        mbs = self.cfg.micro_batch_size
+        batches = [collate(samples[i : i + mbs], self.pad_id) for i in range(0, len(samples), mbs)]
+        total, tokens = self.engine.evaluate(batches)
+        loss = total / max(tokens, 1)
+        return {"step": self.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+    def _on_signal(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        # Only set a flag: the step in flight finishes, then the loop checkpoints and exits.
+        self.stop_signal = signum
+
+    def train(self) -> None:
+        cfg, state = self.cfg, self.state
+        previous = {s: signal.signal(s, self._on_signal) for s in EXIT_SIGNAL}
+        progress = Progress(self.total_steps, state.step)
+        try:
+            while state.step < self.total_steps:
+                t0 = time.perf_counter()
+                batches = self._step_batches(state.step)
+                n_labels = sum(label_tokens(b) for b in batches)
+                loss = sum(float(self.engine.forward_backward(b, n_labels)) for b in batches)
+                grad_norm, applied = self.engine.step()
+                state.step += 1
+                step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+                state.tokens_seen += step_tokens
+                seconds = time.perf_counter() - t0
+                bad = not math.isfinite(loss) or (not applied and self.engine.scaler is None)
+                state.bad_steps_in_a_row = state.bad_steps_in_a_row + 1 if bad else 0
+                peak = peak_memory_bytes(self.device)
+                progress.update(loss, step_tokens / seconds, peak)
+                if bad or state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
+                    self.metrics.write({
+                        "step": state.step, "loss": loss, "lr": self.engine.lr, "grad_norm": grad_norm,
+                        "tokens_per_s": step_tokens / seconds, "peak_memory_bytes": peak,
+                        "tokens_seen": state.tokens_seen, "step_seconds": seconds, "skipped": not applied,
+                    })
+                if self.data.eval and cfg.eval_steps and state.step % cfg.eval_steps == 0:
+                    self.metrics.write(self._evaluate())
+                if state.bad_steps_in_a_row >= cfg.max_bad_steps:
+                    good = ckpt.newest_complete(self.output_dir)
+                    where = f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
+                    raise TrainingStopped(f"loss or gradient norm was NaN/inf for {state.bad_steps_in_a_row} steps in a row (up to step {state.step}); {where}. Lower --lr, check the data, or use bf16 instead of fp16", 3)
+                if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < self.total_steps:
+                    self.save_checkpoint()
+                if self.stop_signal is not None:
+                    path = self.save_checkpoint()
+                    name = signal.Signals(self.stop_signal).name
+                    raise TrainingStopped(f"stopped by {name} after step {state.step}; checkpoint saved to {path}. Continue with the same command plus --resume", EXIT_SIGNAL[self.stop_signal])
+        finally:
+            progress.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    # --- save and cleanup ------------------------------------------------------------------------
+    def save(self) -> None:
+        if self.data.eval:
+            self.metrics.write(self._evaluate())
+        self.save_checkpoint()  # a final checkpoint lets a later --resume extend the run
+        save_adapter(self.model, self.output_dir)
+        self.tokenizer.save_pretrained(str(self.output_dir))
+        log.info("adapter written to %s", self.output_dir)
+
+    def cleanup(self) -> None:
+        metrics = getattr(self, "metrics", None)
+        if metrics:
+            metrics.close()
+
+
+def run(cfg: TrainConfig) -> None:
+    recipe = Recipe(cfg)
+    try:
+        recipe.setup()
+        recipe.train()
+        recipe.save()
+    finally:
+        recipe.cleanup()
