@@ -60,7 +60,11 @@ def add_lora(model, cfg, base_id: str):
         # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
         # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
         # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()
     torch.manual_seed(cfg.seed)  # LoRA A is initialised randomly: make it part of the seeded math
     peft_model = get_peft_model(model, lora_config(cfg, targets))

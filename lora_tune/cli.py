@@ -91,9 +91,21 @@ def approx_params(arch: dict) -> float:
     return vocab * h + layers * per_layer + h + head
 
 
+def setup_logging() -> None:
+    """Our messages go to the stderr of this call (re-bound each time, for notebooks and tests)."""
+    logger = logging.getLogger("lora_tune")
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    setup_logging()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "models":

@@ -197,15 +197,19 @@ class Tokenization:
     def __call__(self, record: dict, row: int) -> Sample:
         ids: list[int] = []
         labels: list[int] = []
+        last_response: list[int] = []
         for text, trainable in self._pieces(record, row):
             if not text:
                 continue
             piece = self._ids(text, first=not ids and self.fmt != "messages")
             ids += piece
             labels += piece if (trainable or self.train_on_prompt) else [IGNORE] * len(piece)
-        if not ids or ids[-1] != self.eos:
+            last_response = piece if trainable else last_response
+        # Chat templates usually end each assistant turn with EOS themselves; otherwise append it.
+        # Either way EOS carries a real label: this is how the model learns to stop.
+        if self.eos not in last_response:
             ids.append(self.eos)
-            labels.append(self.eos)  # EOS carries a real label: this is how the model learns to stop
+            labels.append(self.eos)
         return Sample(ids, labels)
 
 

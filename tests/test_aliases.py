@@ -1,0 +1,49 @@
+"""Aliases ship their architecture, so shapes are known offline."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_tune.aliases import ALIASES, architecture, resolve_base
+from lora_tune.cli import approx_params
+from lora_tune.errors import UserError
+
+from conftest import run_cli
+
+REQUIRED = ["llama-70b", "llama-8b", "llama2-7b", "llama2-13b", "llama2-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-72b"]
+# Published parameter counts (model cards), in billions.
+PUBLISHED = {"llama-70b": 70.55, "llama-8b": 8.03, "llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98, "mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.7}
+
+
+@pytest.mark.parametrize("alias", REQUIRED)
+def test_alias_architecture_builds_a_transformers_config(alias):
+    from transformers import AutoConfig
+
+    arch = architecture(alias)
+    config = AutoConfig.for_model(**arch)
+    assert config.num_hidden_layers == arch["num_hidden_layers"]
+    assert "/" in ALIASES[alias].hub_id
+    assert approx_params(arch) / 1e9 == pytest.approx(PUBLISHED[alias], rel=0.01)
+
+
+def test_unknown_alias_suggests_close_one():
+    with pytest.raises(UserError, match=r"unknown model alias 'llama2-7' \(did you mean llama2-7b\?\)"):
+        resolve_base("llama2-7")
+
+
+def test_missing_base_directory_is_named(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        resolve_base(str(tmp_path / "nope"))
+
+
+def test_hub_ids_and_folders_pass_through(tiny_model):
+    assert resolve_base("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
+    assert resolve_base(str(tiny_model)) == str(tiny_model)
+    assert resolve_base("llama-8b") == "meta-llama/Llama-3.1-8B"
+
+
+def test_models_command_lists_every_alias(capsys):
+    code, out, _ = run_cli(["models"], capsys)
+    assert code == 0
+    for alias in REQUIRED:
+        assert alias in out

@@ -1,0 +1,170 @@
+"""`lora-tune train` end to end on a 2-layer Llama through the real CLI and from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import fast_train_args, run_cli, single_error_line, write_jsonl
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize("precision,fmt,optim", [
+    ("fp32", "alpaca", "adamw_8bit"),
+    ("bf16", "messages", "adamw"),
+    ("fp16", "alpaca", "adamw"),
+    ("8bit", "prompt_completion", "adamw_8bit"),
+    ("4bit", "text", "paged_adamw_8bit"),
+])
+def test_each_precision_and_format_trains_a_loadable_adapter(precision, fmt, optim, tiny_model, data_files, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files[fmt], out, precision=precision, optim=optim), capsys)
+    assert code == 0, err
+    for name in ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "lora_tune_config.yaml", "metrics.jsonl", "checkpoint-4/COMPLETE"):
+        assert (out / name).exists(), name
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tiny_model.resolve())
+    assert sorted(config["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+
+    tensors = adapter_tensors(out)
+    lora_b = {k: v for k, v in tensors.items() if "lora_B" in k}
+    assert len(lora_b) == 2 * 7 and all(v.dtype == torch.float32 for v in tensors.values())
+    assert all(v.abs().max() > 0 for v in lora_b.values()), "lora_B starts at zero and must have moved"
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), out)
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert len(loaded) == len(lora_b)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_bytes"} <= rows[0].keys()
+    assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in rows)  # finite and positive
+
+
+def test_loss_is_pinned_and_decreases(tiny_model, data_files, tmp_path, capsys):
+    """torchtune-style: the first-step loss of this fixed tiny setup is a known number."""
+    out = tmp_path / "run"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, max_steps=12, lr=2e-2, dropout=0.0), capsys)
+    assert code == 0, err
+    losses = [r["loss"] for r in read_metrics(out)]
+    # LoRA B starts at 0, so step 1 is the base model's loss on the first micro-batch (seed 7).
+    assert losses[0] == pytest.approx(6.2290, abs=1e-3)
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3
+
+
+def test_grad_accumulation_matches_one_big_batch(tiny_model, data_files, tmp_path, capsys):
+    """Token-weighted loss: 2 micro-batches of 2 give the same update as 1 of 4 (same samples)."""
+    outs = {}
+    for mbs, ga in [(4, 1), (2, 2)]:
+        out = tmp_path / f"mbs{mbs}"
+        # One step over all 4 samples of a 4-sample file: the same samples whatever the split.
+        data = write_jsonl(tmp_path / "four.jsonl", [{"text": "a b c " * (i + 1)} for i in range(4)])
+        code, _, err = run_cli(fast_train_args(tiny_model, data, out, micro_batch_size=mbs, grad_accum=ga, max_steps=1, dropout=0.0), capsys)
+        assert code == 0, err
+        outs[mbs] = adapter_tensors(out)
+        loss = read_metrics(out)[0]["loss"]
+        outs[f"loss{mbs}"] = loss
+    assert outs["loss4"] == pytest.approx(outs["loss2"], rel=1e-5)
+    for k in outs[4]:
+        torch.testing.assert_close(outs[4][k], outs[2][k], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_after_a_checkpoint_equals_an_uninterrupted_run(tiny_model, data_files, tmp_path, capsys):
+    args = dict(max_steps=6, save_steps=3, grad_accum=2, dropout=0.1, lr_scheduler="cosine", warmup_steps=2)
+    full = tmp_path / "full"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], full, **args), capsys)
+    assert code == 0, err
+
+    # A run that stopped right after checkpoint-3: its folder holds just what was on disk then.
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copytree(full / "checkpoint-3", stopped / "checkpoint-3")
+    shutil.copy(full / "lora_tune_config.yaml", stopped)
+    (stopped / "metrics.jsonl").write_text("".join(line + "\n" for line in (full / "metrics.jsonl").read_text().splitlines()[:5]))
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], stopped, resume=True, **args), capsys)
+    assert code == 0, err
+    assert "resumed from" in err
+
+    a, b = adapter_tensors(full), adapter_tensors(stopped)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert [r["step"] for r in read_metrics(stopped) if "loss" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in read_metrics(stopped) if "loss" in r] == [r["loss"] for r in read_metrics(full) if "loss" in r]
+
+
+def test_resume_may_extend_the_run(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2, save_steps=1, lr_scheduler="constant"), capsys)[0] == 0
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=4, save_steps=2, logging_steps=2, lr_scheduler="constant", resume=True), capsys)
+    assert code == 0, err
+    assert (out / "checkpoint-4" / "COMPLETE").exists()
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 4]
+
+
+def test_refuses_to_overwrite_a_run(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=1), capsys)[0] == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=1), capsys)
+    assert code == 2
+    assert "already holds a run" in single_error_line(err) and "--resume" in err
+    assert before == {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+
+
+def test_resume_refuses_changed_math_and_lists_the_keys(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2), capsys)[0] == 0
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, rank=8, lr=1e-3, resume=True), capsys)
+    assert code == 2
+    line = single_error_line(err)
+    assert "rank: 4 -> 8" in line and "lr: 0.005 -> 0.001" in line and "max_steps" not in line
+
+    changed = write_jsonl(tmp_path / "other.jsonl", [{"text": "different content"}] * 12)
+    # Same path, other content: the fingerprint catches it.
+    shutil.copy(changed, data_files["text"])
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, resume=True), capsys)
+    assert code == 2 and "data content (fingerprint)" in single_error_line(err)
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, resume=True, allow_config_change=True), capsys)
+    assert code == 0, err
+
+
+def test_resume_without_checkpoint_is_refused(tiny_model, data_files, tmp_path, capsys):
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "empty", resume=True), capsys)
+    assert code == 2 and "no complete checkpoint" in single_error_line(err)
+
+
+def test_eval_loss_and_perplexity_are_logged(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, max_steps=4, eval_split=0.25, eval_steps=2), capsys)
+    assert code == 0, err
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 4]  # every 2 steps, and at the end
+    assert evals[0]["eval_ppl"] == pytest.approx(2.718281828 ** evals[0]["eval_loss"], rel=1e-6)
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], tmp_path / "run2", max_steps=2, eval_data=data_files["text"], eval_steps=1), capsys)
+    assert code == 0, err
+    assert len([r for r in read_metrics(tmp_path / "run2") if "eval_loss" in r]) == 3
+
+
+def test_target_modules_and_rslora_dora_reach_peft(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=1, target_modules=["q_proj", "v_proj"], rslora=True, dora=True, alpha=8), capsys)
+    assert code == 0, err
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+    assert config["use_rslora"] is True and config["use_dora"] is True and config["lora_alpha"] == 8
+    assert any("lora_magnitude_vector" in k for k in adapter_tensors(out))
