@@ -1,0 +1,96 @@
+"""Every bad input ends in one `error:` line naming the culprit, exit code 2, no traceback, before
+the model is loaded, with nothing written to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import fast_train_args, run_cli, single_error_line, write_jsonl
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    import lora_tune.train
+
+    def refuse(*a, **k):
+        raise AssertionError("the model must not be loaded for bad input")
+
+    monkeypatch.setattr(lora_tune.train, "load_base_model", refuse)
+
+
+def _case(name, tmp_path: Path, tiny_model: Path, good: Path):
+    """(argv, expected substring) for each bad input."""
+    out = tmp_path / "out"
+    base = dict(max_steps=1)
+    if name == "missing data":
+        return fast_train_args(tiny_model, tmp_path / "nope.jsonl", out, **base), "nope.jsonl does not exist"
+    if name == "folder without data files":
+        folder = tmp_path / "notes"
+        folder.mkdir()
+        (folder / "readme.txt").write_text("no data here")
+        return fast_train_args(tiny_model, folder, out, **base), "holds no .jsonl/.json/.parquet/.csv files"
+    if name == "unsupported extension":
+        p = tmp_path / "data.txt"
+        p.write_text("hello")
+        return fast_train_args(tiny_model, p, out, **base), "unsupported extension"
+    if name == "broken json line":
+        p = tmp_path / "broken.jsonl"
+        p.write_text('{"text": "ok"}\n{"text": "ok"}\n{"text": oops}\n')
+        return fast_train_args(tiny_model, p, out, **base), "line 3 is not valid JSON"
+    if name == "unknown columns":
+        p = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}])
+        return fast_train_args(tiny_model, p, out, **base), "instruction/input/output"
+    if name == "empty dataset":
+        p = tmp_path / "empty.jsonl"
+        p.write_text("")
+        return fast_train_args(tiny_model, p, out, **base), "empty"
+    if name == "malformed messages":
+        p = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}])
+        return fast_train_args(tiny_model, p, out, **base), "role 'bot'"
+    if name == "messages without assistant":
+        p = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+        return fast_train_args(tiny_model, p, out, **base), "no assistant message"
+    if name == "rank 0":
+        return fast_train_args(tiny_model, good, out, rank=0), "--rank: must be a positive integer"
+    if name == "negative rank":
+        return fast_train_args(tiny_model, good, out, rank=-4), "--rank"
+    if name == "unknown precision":
+        return fast_train_args(tiny_model, good, out, precision="int3"), "--precision: got 'int3'"
+    if name == "lr 0":
+        return fast_train_args(tiny_model, good, out, lr=0), "--lr: must be > 0"
+    if name == "max-seq-len 0":
+        return fast_train_args(tiny_model, good, out, max_seq_len=0), "--max-seq-len"
+    if name == "unknown alias":
+        return fast_train_args("llama-7b", good, out), "unknown model alias 'llama-7b'"
+    if name == "missing base dir":
+        return fast_train_args(tmp_path / "no-model", good, out), "no-model does not exist"
+    if name == "unknown config key":
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text("rnk: 8\n")
+        return ["train", "--config", cfg, "--base", tiny_model, "--data", good, "--output-dir", out], "unknown key 'rnk' in"
+    if name == "rank not a number":
+        return fast_train_args(tiny_model, good, out, rank="abc"), "--rank"
+    if name == "missing output dir":
+        return ["train", "--base", tiny_model, "--data", good], "--output-dir is required"
+    raise KeyError(name)
+
+
+CASES = ["missing data", "folder without data files", "unsupported extension", "broken json line", "unknown columns", "empty dataset", "malformed messages",
+         "messages without assistant", "rank 0", "negative rank", "unknown precision", "lr 0", "max-seq-len 0", "unknown alias",
+         "missing base dir", "unknown config key", "rank not a number", "missing output dir"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_bad_input_is_one_clear_error(name, tmp_path, tiny_model, data_files, capsys, no_model_loading):
+    argv, expected = _case(name, tmp_path, tiny_model, data_files["text"])
+    before = sorted(tmp_path.rglob("*"))
+    try:
+        code, _, err = run_cli(argv, capsys)
+    except SystemExit as e:  # argparse-level errors exit from inside the parser
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2, err
+    line = single_error_line(err)
+    assert expected in line, line
+    assert sorted(tmp_path.rglob("*")) == before, "a refused command must not write anything"

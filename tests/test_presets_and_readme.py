@@ -1,0 +1,64 @@
+"""Every YAML preset validates; the README quick start runs as written."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lora_tune.cli import build_parser, config_from_args
+from lora_tune.config import TrainConfig
+
+from conftest import run_cli_subprocess
+
+ROOT = Path(__file__).resolve().parent.parent
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_there_are_presets():
+    assert len(PRESETS) >= 4
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_preset_validates_and_its_header_launch_command_parses(preset):
+    header = preset.read_text().splitlines()[:3]
+    launch = [line for line in header if line.startswith("# Launch: ")]
+    assert launch, f"{preset.name} must carry its launch command in the header"
+    argv = shlex.split(launch[0].removeprefix("# Launch: "))
+    assert argv[:2] == ["lora-tune", "train"]
+    os.chdir(ROOT)  # the header's paths are relative to the repo root
+    cfg = config_from_args(TrainConfig, build_parser().parse_args(argv[1:]))
+    assert cfg.base and cfg.output_dir
+    assert set(yaml.safe_load(preset.read_text())) <= set(TrainConfig.model_fields)
+
+
+def quick_start_lines() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    section = re.search(r"^## Quick start\n(.*?)(?=^## )", text, re.S | re.M).group(1)
+    block = re.search(r"```(?:bash|sh)?\n(.*?)```", section, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_readme_quick_start_is_two_lines_and_ci_runs_its_test_command():
+    lines = quick_start_lines()
+    assert len(lines) == 2
+    assert "lora-tune train" in lines[0] and "pip install" in lines[0]
+    assert lines[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_quick_start_training_runs_offline(tmp_path):
+    """The first line's job (after its install step), with the output sent to a temp folder."""
+    command = quick_start_lines()[0].split("&&", 1)[1]
+    argv = shlex.split(command)
+    assert argv[0] == "lora-tune"
+    i = argv.index("--output-dir")
+    argv[i + 1] = str(tmp_path / "demo")
+    env = {**os.environ, "LORA_TUNE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    proc = run_cli_subprocess(argv[1:], cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "demo" / "adapter_model.safetensors").is_file()
+    assert "tok/s" in proc.stderr and "peak" in proc.stderr
