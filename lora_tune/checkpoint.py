@@ -58,8 +58,14 @@ def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
     return sorted(complete, key=key), sorted(incomplete, key=key)
 
 
-def temp_checkpoint_dirs(output_dir: Path) -> list[Path]:
-    return sorted(output_dir.glob(".checkpoint-*.tmp*")) if output_dir.is_dir() else []
+def remove_leftovers(output_dir: Path) -> list[Path]:
+    """Delete hidden temp / replaced folders left by a process killed mid-save (never valid)."""
+    if not output_dir.is_dir():
+        return []
+    leftovers = sorted(p for p in output_dir.glob(".checkpoint-*") if ".tmp-" in p.name or ".old-" in p.name)
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)
+    return leftovers
 
 
 def newest_complete(output_dir: Path) -> Path | None:
@@ -131,7 +137,14 @@ def read_json(path: Path) -> dict:
 
 
 def save_torch_state(path: Path, state) -> None:
-    torch.save(state, path)
+    # Serialise in memory, then write with plain file I/O: torch.save's own writer reports a full
+    # disk as an opaque RuntimeError, a plain write raises OSError(ENOSPC). LoRA states are small.
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    with open(path, "wb") as f:
+        f.write(buffer.getbuffer())
 
 
 def load_torch_state(path: Path):

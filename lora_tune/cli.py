@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 run(cfg)
             except TrainingStopped as stop:
-                print(f"stopped: {stop}", file=sys.stderr)
+                print(f"{stop.label}: {stop}", file=sys.stderr)
                 return stop.exit_code
             return 0
     except UserError as e:

@@ -35,11 +35,13 @@ EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
 class TrainingStopped(Exception):
-    """Raised after a clean, checkpointed stop (signal or repeated NaN); carries the exit code."""
+    """The run ended early but cleanly (signal, repeated NaN, a checkpoint that could not be
+    written); carries the exit code and whether it is an error or a requested stop."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: int, label: str = "stopped"):
         super().__init__(message)
         self.exit_code = exit_code
+        self.label = label
 
 
 @dataclass
@@ -76,8 +78,15 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
             raise UserError(f"--output-dir: {out} already holds a run; pass --resume to continue it, or choose another --output-dir")
         return out, None
     if not complete:
-        hint = f" ({len(incomplete)} incomplete ignored)" if incomplete else ""
-        raise UserError(f"--resume: no complete checkpoint in {out}{hint}; start without --resume or point --output-dir at the run")
+        ckpt.remove_leftovers(out)
+        if holds_run:
+            # Killed before its first checkpoint: there is nothing to lose, so start over.
+            log.warning("no complete checkpoint in %s (%d incomplete ignored); starting from step 0", out, len(incomplete))
+            return out, None
+        raise UserError(f"--resume: no run to resume in {out}; start without --resume or point --output-dir at the run")
+    leftovers = ckpt.remove_leftovers(out)
+    if leftovers:
+        log.info("removed %d temporary folder(s) left by an interrupted save", len(leftovers))
     newer_incomplete = [p.name for p in incomplete if int(p.name.split("-")[1]) > int(complete[-1].name.split("-")[1])]
     if newer_incomplete:
         log.warning("ignoring incomplete checkpoint(s) %s (no %s marker)", ", ".join(newer_incomplete), ckpt.MARKER)
@@ -129,7 +138,8 @@ class Recipe:
             self._load_checkpoint(self.resume_from, saved_state)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "lora_tune_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if self.resume_from else None)
+        # On resume, metrics of steps after the checkpoint are dropped: those steps are redone.
+        self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if cfg.resume else None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         log.info("trainable parameters: %s; %d optimizer steps; device %s", f"{trainable:,}", self.total_steps, self.device)
@@ -143,6 +153,16 @@ class Recipe:
         log.info("resumed from %s (step %d)", path, self.state.step)
 
     def save_checkpoint(self) -> Path:
+        try:
+            return self._write_checkpoint()
+        except OSError as e:
+            # Full disk, quota, I/O error: the writer already removed its temp folder, and the
+            # checkpoints written before are untouched.
+            good = ckpt.newest_complete(self.output_dir)
+            kept = f"{good.name} is intact" if good else "no earlier checkpoint exists"
+            raise TrainingStopped(f"could not write checkpoint-{self.state.step} in {self.output_dir} ({e.strerror or e}); {kept}. Free space and rerun with --resume", 1, "error") from None
+
+    def _write_checkpoint(self) -> Path:
         with ckpt.CheckpointWriter(self.output_dir, self.state.step) as tmp:
             save_adapter(self.model, tmp)
             ckpt.save_torch_state(tmp / "training_state.pt", self.engine.state_dict())
@@ -212,7 +232,8 @@ class Recipe:
                     good = ckpt.newest_complete(self.output_dir)
                     where = f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
                     raise TrainingStopped(f"loss or gradient norm was NaN/inf for {state.bad_steps_in_a_row} steps in a row (up to step {state.step}); {where}. Lower --lr, check the data, or use bf16 instead of fp16", 3)
-                if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < self.total_steps:
+                # No periodic save during a bad streak: the newest checkpoint stays the last good one.
+                if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < self.total_steps and not bad:
                     self.save_checkpoint()
                 if self.stop_signal is not None:
                     path = self.save_checkpoint()
@@ -228,7 +249,10 @@ class Recipe:
         if self.data.eval:
             self.metrics.write(self._evaluate())
         self.save_checkpoint()  # a final checkpoint lets a later --resume extend the run
-        save_adapter(self.model, self.output_dir)
+        try:
+            save_adapter(self.model, self.output_dir)
+        except OSError as e:
+            raise TrainingStopped(f"could not write the final adapter to {self.output_dir} ({e.strerror or e}); checkpoint-{self.state.step} holds it. Free space and rerun with --resume", 1, "error") from None
         self.tokenizer.save_pretrained(str(self.output_dir))
         log.info("adapter written to %s", self.output_dir)
 

@@ -143,9 +143,22 @@ def test_resume_refuses_changed_math_and_lists_the_keys(tiny_model, data_files, 
     assert code == 0, err
 
 
-def test_resume_without_checkpoint_is_refused(tiny_model, data_files, tmp_path, capsys):
+def test_resume_without_a_run_is_refused(tiny_model, data_files, tmp_path, capsys):
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "empty", resume=True), capsys)
-    assert code == 2 and "no complete checkpoint" in single_error_line(err)
+    assert code == 2 and "no run to resume" in single_error_line(err)
+    assert not (tmp_path / "empty").exists()
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint_starts_over(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "lora_tune_config.yaml").write_text("base: x\n")
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (out / "checkpoint-1").mkdir()  # no COMPLETE marker: the kill came mid-save
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2, resume=True), capsys)
+    assert code == 0, err
+    assert "starting from step 0" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and read_metrics(out)[0]["loss"] != 9.0
 
 
 def test_eval_loss_and_perplexity_are_logged(tiny_model, data_files, tmp_path, capsys):
