@@ -10,7 +10,7 @@ import sys
 import typing
 from typing import Any
 
-from lora_tune.config import TrainConfig, build_config, flag, read_yaml
+from lora_tune.config import MergeConfig, TrainConfig, build_config, flag, read_yaml
 from lora_tune.errors import UserError
 
 
@@ -58,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a LoRA adapter", description="Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).")
     train.add_argument("--config", metavar="FILE", help="YAML file with any of the options below (keys use underscores, e.g. max_seq_len)")
     add_schema_flags(train, TrainConfig)
+
+    merge = sub.add_parser("merge", help="merge an adapter into its full-precision base", description="Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.")
+    merge.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
+    add_schema_flags(merge, MergeConfig)
 
     sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
     return parser
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return cmd_models()
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # our own progress output is the one that matters
         if args.command == "train":
             from lora_tune.train import TrainingStopped, run
 
@@ -119,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
             except TrainingStopped as stop:
                 print(f"{stop.label}: {stop}", file=sys.stderr)
                 return stop.exit_code
+            return 0
+        if args.command == "merge":
+            from lora_tune import merge
+
+            merge.run(config_from_args(MergeConfig, args))
             return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

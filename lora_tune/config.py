@@ -164,7 +164,7 @@ def build_config(schema: type[BaseModel], file_values: dict[str, Any], flag_valu
     known = schema.model_fields
     for key in file_values:
         if key not in known:
-            raise UserError(f"unknown key '{key}' in {source}{did_you_mean(key, known)}; see `lora-tune train --help` for the options")
+            raise UserError(f"unknown key '{key}' in {source}{did_you_mean(key, known)}; see --help for the options")
     merged = {**file_values, **flag_values}
     try:
         return schema(**merged)
@@ -180,3 +180,31 @@ def build_config(schema: type[BaseModel], file_values: dict[str, Any], flag_valu
         elif "parsing" in err["type"] or err["type"].endswith("_type"):
             msg = f"got {got!r}; {msg.lower()}"
         raise UserError(f"{flag(name)}: {msg}") from None
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int, option: str) -> int:
+    """'5GB' -> 5_000_000_000, '100MiB' -> 104_857_600; plain integers are bytes."""
+    import re
+
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"{option}: {text!r} is not a size; write e.g. 5GB, 500MB or 80GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class MergeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    adapter: str = Field(description="Adapter folder written by `lora-tune train` (or any PEFT LoRA adapter).")
+    base: Optional[str] = Field(None, description="Base to merge into: alias, hub id or folder. Default: the base recorded in the adapter. Always its full-precision weights, also for adapters trained on 8-bit/4-bit bases.")
+    output: str = Field(description="Folder for the merged model (written to a temporary folder, renamed at the end).")
+    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Dtype of the merged weights (the arithmetic is fp32; one cast at the end).")
+    max_shard_size: str = Field("5GB", description="Largest output shard, e.g. 5GB or 500MB.")
+    verify: bool = Field(True, description="Check merged weights for NaN/inf and compare merged vs base + adapter outputs.")
+    overwrite: bool = Field(False, description="Replace a non-empty --output folder.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub during verification.")

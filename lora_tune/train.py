@@ -114,9 +114,6 @@ class Recipe:
         self.stop_signal: int | None = None
 
     def setup(self) -> None:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # our own bar is the one that matters
         cfg = self.cfg
         check_reporter(cfg.report_to)
         self.output_dir, self.resume_from = check_output_dir(cfg)

@@ -1,0 +1,364 @@
+"""`lora-tune merge`: fold a LoRA adapter into the full-precision base, shard by shard, and prove it.
+
+Streaming: each base shard is opened lazily (safetensors), each tensor is merged in fp32 and cast
+once to the output dtype, and output shards are written as soon as they are full. Peak memory is
+about one output shard plus one tensor plus the adapter, never the whole model.
+
+Arithmetic mirrors peft's own merge (`W + (B @ A) * scale`, DoRA's `m / ||W + s BA|| * (W + s BA)`)
+so that an fp32 merge is bit-identical to `merge_and_unload()`.
+
+Everything is written into a hidden temporary folder next to --output and renamed at the end: a
+crash, a full disk or a failed verification never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_tune.config import MergeConfig, parse_size
+from lora_tune.errors import UserError
+
+log = logging.getLogger("lora_tune")
+
+OUT_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# Relative drift (max |merged - reference| / max |reference|) accepted per output dtype: fp32 is
+# exact up to summation order; bf16/fp16 carry the rounding of the final cast.
+TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 4e-2}
+FULL_CHECK_MAX_PARAMS = 1_000_000_000  # up to this size, also compare whole-model logits
+
+
+@dataclass
+class LoraModule:
+    """The adapter pieces for one base weight."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    magnitude: torch.Tensor | None = None  # DoRA
+
+
+# --- inputs --------------------------------------------------------------------------------------
+def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not adapter_dir.is_dir():
+        raise UserError(f"--adapter: {adapter_dir} does not exist; give the --output-dir of a training run")
+    config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
+    if not config_path.is_file() or not weights_path.is_file():
+        raise UserError(f"--adapter: {adapter_dir} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
+    try:
+        config = json.loads(config_path.read_text())
+        weights = load_file(str(weights_path))
+    except (json.JSONDecodeError, SafetensorError, OSError) as e:
+        raise UserError(f"--adapter: {adapter_dir} is unreadable or truncated ({e})") from None
+    if config.get("peft_type") != "LORA":
+        raise UserError(f"--adapter: {adapter_dir} holds a {config.get('peft_type')} adapter; only LoRA adapters can be merged")
+    if not weights:
+        raise UserError(f"--adapter: {weights_path} is empty (the ZeRO-3 save bug); retrain or re-save the adapter")
+    return config, weights
+
+
+def pattern_value(patterns: dict, module_name: str, default):
+    """peft's rule for rank_pattern / alpha_pattern keys (peft.utils.other.get_pattern_key)."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_name):
+            return patterns[key]
+    return default
+
+
+def lora_modules(config: dict, weights: dict[str, torch.Tensor]) -> tuple[dict[str, LoraModule], dict[str, torch.Tensor]]:
+    """(base weight name -> LoraModule, base weight name -> full replacement for modules_to_save)."""
+    prefix = "base_model.model."
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    replacements = {}
+    for key, tensor in weights.items():
+        name = key.removeprefix(prefix)
+        m = re.match(r"(.*)\.(lora_A|lora_B)\.weight$", name) or re.match(r"(.*)\.(lora_magnitude_vector)(?:\.weight)?$", name)
+        if m:
+            grouped.setdefault(m.group(1), {})[m.group(2)] = tensor
+        elif "lora_" not in name:
+            replacements[name] = tensor  # modules_to_save: the trained copy replaces the base tensor
+    modules = {}
+    for module_name, parts in grouped.items():
+        if "lora_A" not in parts or "lora_B" not in parts:
+            raise UserError(f"--adapter: {module_name} has only {sorted(parts)}; the adapter file is incomplete")
+        r = pattern_value(config.get("rank_pattern") or {}, module_name, config["r"])
+        alpha = pattern_value(config.get("alpha_pattern") or {}, module_name, config["lora_alpha"])
+        scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        modules[f"{module_name}.weight"] = LoraModule(parts["lora_A"], parts["lora_B"], scale, parts.get("lora_magnitude_vector"))
+    return modules, replacements
+
+
+def base_folder(base: str, trust_remote_code: bool) -> Path:
+    """A local folder holding the base's safetensors (downloaded from the hub when an id)."""
+    from lora_tune.aliases import resolve_base
+
+    resolved = resolve_base(base)
+    path = Path(resolved)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download
+
+        try:
+            path = Path(snapshot_download(resolved, allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"]))
+        except Exception as e:  # noqa: BLE001 - hub errors come in many types
+            raise UserError(f"--base: could not fetch {resolved} ({str(e).splitlines()[0]}); check the id, your network or HF_TOKEN, or pass a local folder") from None
+    if not list(path.glob("*.safetensors")):
+        raise UserError(f"--base: {path} has no .safetensors weights; convert the base to safetensors first")
+    return path
+
+
+def base_shards(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / f for f in files]
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    raise UserError(f"--base: {folder} has neither model.safetensors nor model.safetensors.index.json")
+
+
+# --- the merge arithmetic ----------------------------------------------------------------------------
+def merged_weight(weight: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, name: str) -> torch.Tensor:
+    """fp32 merge of one weight, in peft's operation order."""
+    w = weight.float()
+    a, b = lora.a.float(), lora.b.float()
+    out_features, in_features = (w.shape[1], w.shape[0]) if fan_in_fan_out else (w.shape[0], w.shape[1])
+    if a.shape[1] != in_features or b.shape[0] != out_features or a.shape[0] != b.shape[1]:
+        raise UserError(f"--base: {name} has shape {tuple(w.shape)} but the adapter has A {tuple(a.shape)}, B {tuple(b.shape)}; this adapter was trained on another base")
+    delta = b @ a
+    delta = (delta.T if fan_in_fan_out else delta) * lora.scale
+    if lora.magnitude is None:
+        return w + delta
+    # DoRA: norm per output row of the unmerged weight + delta, as peft's DoraLinearLayer does.
+    w_rows = w.T if fan_in_fan_out else w
+    delta_rows = delta.T if fan_in_fan_out else delta
+    norm = torch.linalg.norm(w_rows + delta_rows, dim=1)
+    factor = (lora.magnitude.float() / norm).view(-1, 1)
+    factor = factor.T if fan_in_fan_out else factor
+    return factor * (w + delta)
+
+
+class ShardWriter:
+    """Collects tensors and writes a shard whenever the next tensor would overflow it."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.folder / f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Rename to transformers' shard names and write the index; returns the file names."""
+        self.flush()
+        n = len(self.files)
+        if n == 1:
+            self.files[0][0].rename(self.folder / "model.safetensors")
+            return ["model.safetensors"]
+        weight_map, names = {}, []
+        for i, (path, tensors) in enumerate(self.files, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            path.rename(self.folder / final)
+            names.append(final)
+            weight_map.update({t: final for t in tensors})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        return names
+
+
+def write_side_files(base: Path, adapter_dir: Path, out: Path, dtype: str) -> None:
+    """config.json (chosen dtype, no quantization config), generation config, tokenizer files."""
+    config = json.loads((base / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if (base / "generation_config.json").is_file():
+        shutil.copy2(base / "generation_config.json", out / "generation_config.json")
+    # The tokenizer saved beside the adapter is the one training used (chat template included).
+    source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+
+
+# --- verification -----------------------------------------------------------------------------------
+def relative_drift(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+
+
+def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code: bool) -> float:
+    """Whole model: logits of the merged folder vs base (fp32) + adapter through peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    reference = PeftModel.from_pretrained(reference, adapter_dir).eval()
+    vocab = reference.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = reference(input_ids=ids).logits
+    del reference
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    with torch.no_grad():
+        got = model(input_ids=ids).logits
+    return relative_drift(got, want)
+
+
+class _OneLinear(torch.nn.Module):
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.proj = linear
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def verify_layer(name: str, base_w: torch.Tensor, merged_w: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, config: dict) -> float:
+    """One layer: the merged weight (as written) vs peft's own LoRA layer around the base weight."""
+    from peft import LoraConfig, get_peft_model
+
+    out_f, in_f = (base_w.shape[1], base_w.shape[0]) if fan_in_fan_out else base_w.shape
+    linear = torch.nn.Linear(in_f, out_f, bias=False)
+    linear.weight.data = (base_w.T if fan_in_fan_out else base_w).float().contiguous()
+    r = lora.a.shape[0]
+    alpha = lora.scale * (math.sqrt(r) if config.get("use_rslora") else r)
+    peft_cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["proj"], use_rslora=bool(config.get("use_rslora")), use_dora=lora.magnitude is not None)
+    model = get_peft_model(_OneLinear(linear), peft_cfg).eval()
+    layer = model.base_model.model.proj
+    layer.lora_A["default"].weight.data = lora.a.float()
+    layer.lora_B["default"].weight.data = lora.b.float()
+    if lora.magnitude is not None:
+        layer.lora_magnitude_vector["default"].weight.data = lora.magnitude.float()
+    x = torch.randn(4, in_f, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+        w = merged_w.float()
+        got = x @ (w if fan_in_fan_out else w.T)
+    return relative_drift(got, want)
+
+
+# --- the command ----------------------------------------------------------------------------------
+def prepare_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output: {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--output: {out} is not empty; choose another folder or pass --overwrite")
+
+
+def run(cfg: MergeConfig) -> Path:
+    from safetensors import SafetensorError, safe_open
+
+    adapter_dir = Path(cfg.adapter).expanduser()
+    out = Path(cfg.output).expanduser()
+    max_bytes = parse_size(cfg.max_shard_size, "--max-shard-size")
+    prepare_output(out, cfg.overwrite)
+    config, weights = read_adapter(adapter_dir)
+    base_ref = cfg.base or config.get("base_model_name_or_path")
+    if not base_ref:
+        raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
+    base = base_folder(base_ref, cfg.trust_remote_code)
+    modules, replacements = lora_modules(config, weights)
+    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
+    dtype = OUT_DTYPE[cfg.dtype]
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    t0 = time.perf_counter()
+    try:
+        writer = ShardWriter(tmp, max_bytes)
+        merged_names, n_params, layer_drifts = set(), 0, []
+        shards = base_shards(base)
+        sample_every = max(1, len(modules) // 8)
+        for shard_no, shard in enumerate(shards, start=1):
+            try:
+                handle = safe_open(str(shard), framework="pt")
+                names = list(handle.keys())
+            except (SafetensorError, OSError) as e:
+                raise UserError(f"--base: shard {shard} is unreadable or truncated ({e})") from None
+            for name in names:
+                try:
+                    tensor = handle.get_tensor(name)
+                except (SafetensorError, OSError) as e:
+                    raise UserError(f"--base: tensor {name} in {shard} is unreadable ({e})") from None
+                n_params += tensor.numel()
+                if name in modules:
+                    result = merged_weight(tensor, modules[name], fan_in_fan_out, name)
+                    merged_names.add(name)
+                    if cfg.verify and (len(merged_names) - 1) % sample_every == 0:
+                        # Checked on the spot, so no tensor outlives its shard.
+                        layer_drifts.append(verify_layer(name, tensor, result.to(dtype), modules[name], fan_in_fan_out, config))
+                elif name in replacements:
+                    if replacements[name].shape != tensor.shape:
+                        raise UserError(f"--base: {name} has shape {tuple(tensor.shape)}, the adapter's trained copy {tuple(replacements[name].shape)}")
+                    result = replacements[name].float()
+                    merged_names.add(name)
+                else:
+                    result = tensor
+                if result.is_floating_point():
+                    if not torch.isfinite(result).all():
+                        raise UserError(f"merged weight {name} contains NaN/inf; the adapter is broken (check the training metrics)")
+                    result = result.to(dtype)  # the one cast
+                writer.add(name, result)
+            log.info("merged shard %d/%d (%s)", shard_no, len(shards), shard.name)
+        missing = sorted((set(modules) | set(replacements)) - merged_names)
+        if missing:
+            raise UserError(f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this adapter was trained on another base")
+        files = writer.finish()
+        write_side_files(base, adapter_dir, tmp, cfg.dtype)
+        log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(files), writer.total_bytes / 1e9, len(modules), time.perf_counter() - t0)
+        if cfg.verify:
+            drift = max(layer_drifts, default=0.0)
+            log.info("verify: %d sampled layers vs peft's LoRA layer: max relative drift %.2e", len(layer_drifts), drift)
+            if n_params <= FULL_CHECK_MAX_PARAMS:
+                logits_drift = verify_logits(base, adapter_dir, tmp, cfg.trust_remote_code)
+                log.info("verify: whole-model logits vs base + adapter (peft): relative drift %.2e", logits_drift)
+                drift = max(drift, logits_drift)
+            tolerance = TOLERANCE[cfg.dtype]
+            if not drift <= tolerance:
+                raise UserError(f"verification failed: merged model drifts {drift:.2e} from base + adapter (tolerance {tolerance:.0e}); nothing was written")
+            log.info("verified: drift %.2e within tolerance %.0e for %s", drift, tolerance, cfg.dtype)
+        if out.exists():  # --overwrite: swap, so the old folder is only gone once the new one is in place
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("merged model written to %s", out)
+    return out

@@ -1,0 +1,188 @@
+"""`lora-tune merge`: merged == base + adapter, streaming over shards, atomic output, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import fast_train_args, run_cli, single_error_line
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    """One adapter per flavour, trained through the CLI on the tiny model."""
+    from conftest import TEXT, write_jsonl
+    from lora_tune.cli import main
+
+    root = tmp_path_factory.mktemp("adapters")
+    data = write_jsonl(root / "text.jsonl", TEXT)
+    flavours = {"fp32": {}, "8bit": {"precision": "8bit"}, "4bit": {"precision": "4bit"}, "rslora": {"rslora": True}, "dora": {"dora": True}}
+    for name, kw in flavours.items():
+        # A high learning rate so the adapter moves far from identity and a wrong merge shows.
+        assert main([str(a) for a in fast_train_args(tiny_model, data, root / name, max_steps=3, lr=5e-2, **kw)]) == 0
+    return {name: root / name for name in flavours}
+
+
+def reference_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def merged_logits(merged: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.randint(3, 500, (2, 20), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("flavour", ["fp32", "8bit", "4bit", "rslora", "dora"])
+@pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("bf16", 5e-2)])
+def test_merged_logits_equal_base_plus_adapter(flavour, dtype, tol, adapters, tiny_model, tmp_path, capsys):
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["merge", "--adapter", adapters[flavour], "--output", out, "--dtype", dtype], capsys)
+    assert code == 0, err
+    assert "verified: drift" in err
+    want = reference_logits(tiny_model, adapters[flavour], IDS)
+    got = merged_logits(out, IDS)
+    base_only = merged_logits(tiny_model, IDS)
+    scale = want.abs().max()
+    assert (got - want).abs().max() / scale < tol
+    assert (base_only - want).abs().max() / scale > 10 * tol or dtype == "bf16", "the adapter must change the function, or the test proves nothing"
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype] and "quantization_config" not in config
+
+
+def test_fp32_merge_is_bit_identical_to_peft_merge_and_unload(adapters, tiny_model, tmp_path, capsys):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--dtype", "fp32"], capsys)[0] == 0
+    usual = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapters["fp32"]).merge_and_unload()
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = usual.state_dict()
+    assert set(ours) == set(theirs)
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+
+
+def test_merged_folder_is_plain_transformers_with_tokenizer_and_template(adapters, tiny_model, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path / "merged"
+    assert run_cli(["merge", "--adapter", adapters["4bit"], "--output", out], capsys)[0] == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    modules = {type(m).__module__ for m in model.modules()}
+    assert not any(m.startswith(("peft", "bitsandbytes")) for m in modules), modules
+    assert next(model.parameters()).dtype == torch.bfloat16
+    original, merged = AutoTokenizer.from_pretrained(tiny_model), AutoTokenizer.from_pretrained(out)
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert merged.apply_chat_template(chat, tokenize=False) == original.apply_chat_template(chat, tokenize=False)
+    assert (merged.eos_token, merged.bos_token, merged.pad_token) == (original.eos_token, original.bos_token, original.pad_token)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == original.eos_token_id
+
+
+@pytest.fixture(scope="module")
+def sharded_base(tiny_model, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("sharded")
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(out, max_shard_size="150KB")
+    for f in tiny_model.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "generation")):
+            shutil.copy(f, out / f.name)
+    assert len(list(out.glob("model-*.safetensors"))) >= 3
+    return out
+
+
+def test_merge_streams_a_sharded_base_into_shards_with_index(adapters, sharded_base, tmp_path, capsys):
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--base", sharded_base, "--output", out, "--dtype", "fp32", "--max-shard-size", "200KB"], capsys)
+    assert code == 0, err
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and all((out / f).is_file() for f in files)
+    assert all((out / f).stat().st_size <= 200_000 + 70_000 for f in files)  # one tensor may overflow a shard
+    assert err.count("merged shard") == len(list(sharded_base.glob("model-*.safetensors")))
+    want = reference_logits(sharded_base, adapters["fp32"], IDS)
+    assert torch.allclose(merged_logits(out, IDS), want, atol=1e-5, rtol=1e-5)
+
+
+def test_failure_mid_merge_leaves_no_complete_looking_output(adapters, sharded_base, tmp_path, capsys):
+    broken = tmp_path / "broken-base"
+    shutil.copytree(sharded_base, broken)
+    last = sorted(broken.glob("model-*.safetensors"))[-1]
+    last.write_bytes(last.read_bytes()[:1000])  # the last shard is cut short: fails after the others merged
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--base", broken, "--output", out], capsys)
+    assert code == 2
+    assert last.name in single_error_line(err)
+    assert "merged shard 1/" in err, "the failure must come mid-merge, after earlier shards were written"
+    assert not out.exists()
+    assert not list(tmp_path.glob(".merged*")), "the temporary folder must be removed"
+
+
+def test_overwrite_replaces_only_when_asked(adapters, tmp_path, capsys):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out], capsys)
+    assert code == 2 and "--overwrite" in single_error_line(err)
+    assert (out / "keep.txt").read_text() == "user data"
+    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--overwrite"], capsys)
+    assert code == 0, err
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_modules_to_save_and_rank_pattern_follow_peft(tiny_model, tmp_path, capsys):
+    """An adapter written by peft itself, with options our trainer doesn't produce."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"down_proj": 2}, alpha_pattern={"v_proj": 32}, modules_to_save=["lm_head"], init_lora_weights=False)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), cfg)
+    with torch.no_grad():
+        model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
+    adapter = tmp_path / "peft-adapter"
+    model.save_pretrained(adapter)
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["merge", "--adapter", adapter, "--base", tiny_model, "--output", out, "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    usual = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), adapter).merge_and_unload().state_dict()
+    ours = load_file(str(out / "model.safetensors"))
+    for k in ours:
+        torch.testing.assert_close(ours[k], usual[k], rtol=0, atol=1e-6, msg=k)
+
+
+def test_merge_errors(adapters, tiny_model, tmp_path, capsys):
+    from lora_tune.tiny_model import build_tiny_llama
+
+    cases = []
+    cases.append((["--adapter", tmp_path / "nope", "--output", tmp_path / "o1"], "does not exist"))
+    (tmp_path / "not-adapter").mkdir()
+    cases.append((["--adapter", tmp_path / "not-adapter", "--output", tmp_path / "o2"], "is not an adapter folder"))
+    cases.append((["--adapter", adapters["fp32"], "--base", tmp_path / "no-base", "--output", tmp_path / "o3"], "no-base does not exist"))
+    other = build_tiny_llama(tmp_path / "other-shape", hidden_size=32, intermediate_size=64)
+    cases.append((["--adapter", adapters["fp32"], "--base", other, "--output", tmp_path / "o4"], "trained on another base"))
+    cases.append((["--adapter", adapters["fp32"], "--output", tmp_path / "o5", "--max-shard-size", "lots"], "not a size"))
+    cases.append((["--adapter", adapters["fp32"], "--output", tmp_path / "o6", "--dtype", "int4"], "--dtype"))
+    for argv, expected in cases:
+        code, _, err = run_cli(["merge", *argv], capsys)
+        assert code == 2, (argv, err)
+        assert expected in single_error_line(err), (argv, err)
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
