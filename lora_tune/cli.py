@@ -114,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "models":
             return cmd_models()
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # our own progress output is the one that matters
         if args.command == "train":
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
             from lora_tune.train import TrainingStopped, run
 
             cfg = config_from_args(TrainConfig, args)
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -6,7 +6,14 @@ its traceback.
 
 
 class UserError(Exception):
-    """Bad input: the message names the culprit and how to fix it."""
+    """Bad input: the message names the culprit and how to fix it.
+
+    exit_code 2 means the input was wrong; 1 means the machine was (full disk, I/O error).
+    """
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def did_you_mean(word: str, choices) -> str:

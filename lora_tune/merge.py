@@ -35,7 +35,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # Relative drift (max |merged - reference| / max |reference|) accepted per output dtype: fp32 is
 # exact up to summation order; bf16/fp16 carry the rounding of the final cast.
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 4e-2}
-FULL_CHECK_MAX_PARAMS = 1_000_000_000  # up to this size, also compare whole-model logits
+FULL_CHECK_MAX_PARAMS = 100_000_000  # up to this size, also compare whole-model logits
+VERIFY_LAYERS = 16  # LoRA layers checked against peft's own layer, spread over the model
 
 
 @dataclass
@@ -150,50 +151,77 @@ def merged_weight(weight: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, 
     return factor * (w + delta)
 
 
-class ShardWriter:
-    """Collects tensors and writes a shard whenever the next tensor would overflow it."""
+# safetensors' on-disk dtype names, and their item sizes.
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_FROM_ST = {v: k for k, v in _ST_DTYPE.items()}
 
-    def __init__(self, folder: Path, max_bytes: int):
-        self.folder, self.max_bytes = folder, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        self.pending[name] = tensor.contiguous()
-        self.pending_bytes += size
-        self.total_bytes += size
+@dataclass
+class PlannedTensor:
+    name: str
+    source: Path  # the base shard it comes from
+    shape: list[int]
+    dtype: torch.dtype  # as written
 
-    def flush(self) -> None:
-        from safetensors.torch import save_file
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
-        if not self.pending:
-            return
-        path = self.folder / f"part-{len(self.files):05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.files.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
 
-    def finish(self) -> list[str]:
-        """Rename to transformers' shard names and write the index; returns the file names."""
-        self.flush()
-        n = len(self.files)
-        if n == 1:
-            self.files[0][0].rename(self.folder / "model.safetensors")
-            return ["model.safetensors"]
-        weight_map, names = {}, []
-        for i, (path, tensors) in enumerate(self.files, start=1):
-            final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            path.rename(self.folder / final)
-            names.append(final)
-            weight_map.update({t: final for t in tensors})
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        return names
+def plan_output(shards: list[Path], out_dtype: torch.dtype, max_bytes: int) -> list[list[PlannedTensor]]:
+    """Group every base tensor, in order, into output shards of at most max_bytes, from the
+    safetensors headers alone (nothing is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    groups: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt") as handle:
+                entries = [(name, handle.get_slice(name)) for name in handle.keys()]
+                entries = [(name, list(sl.get_shape()), _FROM_ST[sl.get_dtype()]) for name, sl in entries]
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"--base: shard {shard} is unreadable or truncated ({e})") from None
+        for name, shape, dtype in entries:
+            tensor = PlannedTensor(name, shard, shape, out_dtype if dtype.is_floating_point else dtype)
+            if groups[-1] and size + tensor.nbytes > max_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(tensor)
+            size += tensor.nbytes
+    return groups
+
+
+def write_shard(path: Path, planned: list[PlannedTensor], produce) -> None:
+    """Write one safetensors file tensor by tensor: the header is known from the plan, so each
+    merged tensor goes to disk as soon as it is computed and is then dropped."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in planned:
+        header[t.name] = {"dtype": _ST_DTYPE[t.dtype], "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in planned:
+            tensor = produce(t)
+            if tensor.dtype != t.dtype or list(tensor.shape) != t.shape:
+                raise RuntimeError(f"{t.name}: produced {tensor.dtype} {list(tensor.shape)}, planned {t.dtype} {t.shape}")
+            f.write(tensor.contiguous().view(torch.uint8).numpy().data if tensor.numel() else b"")
+
+
+def shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def write_index(folder: Path, groups: list[list[PlannedTensor]], names: list[str]) -> None:
+    if len(names) == 1:
+        return
+    weight_map = {t.name: name for group, name in zip(groups, names) for t in group}
+    total = sum(t.nbytes for group in groups for t in group)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def write_side_files(base: Path, adapter_dir: Path, out: Path, dtype: str) -> None:
@@ -222,7 +250,9 @@ def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code
     """Whole model: logits of the merged folder vs base (fp32) + adapter through peft."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
     reference = PeftModel.from_pretrained(reference, adapter_dir).eval()
     vocab = reference.get_input_embeddings().weight.shape[0]
@@ -269,6 +299,56 @@ def verify_layer(name: str, base_w: torch.Tensor, merged_w: torch.Tensor, lora: 
     return relative_drift(got, want)
 
 
+class TensorMerger:
+    """Produces each output tensor on demand: read it from its base shard, merge in fp32 when the
+    adapter touches it, check it is finite, cast once. Sampled LoRA layers are verified on the
+    spot against peft's own layer, so no tensor outlives its turn."""
+
+    def __init__(self, modules, replacements, fan_in_fan_out: bool, dtype: torch.dtype, adapter_config: dict, verify: bool):
+        self.modules, self.replacements = modules, replacements
+        self.fan_in_fan_out, self.dtype, self.adapter_config = fan_in_fan_out, dtype, adapter_config
+        self.verify_every = max(1, len(modules) // VERIFY_LAYERS) if verify else 0
+        self.layer_drifts: list[float] = []
+        self.merged = 0
+        self.shard_path: Path | None = None
+        self.shard = None
+
+    def _read(self, t: PlannedTensor) -> torch.Tensor:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            if t.source != self.shard_path:  # tensors arrive in shard order: one shard open at a time
+                self.shard, self.shard_path = safe_open(str(t.source), framework="pt"), t.source
+                log.info("merging %s", t.source.name)
+            return self.shard.get_tensor(t.name)
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"--base: tensor {t.name} in {t.source} is unreadable ({e})") from None
+
+    def __call__(self, t: PlannedTensor) -> torch.Tensor:
+        tensor = self._read(t)
+        lora = self.modules.get(t.name)
+        if lora is not None:
+            result = merged_weight(tensor, lora, self.fan_in_fan_out, t.name)
+        elif t.name in self.replacements:
+            result = self.replacements[t.name].float()
+            if list(result.shape) != t.shape:
+                raise UserError(f"--base: {t.name} has shape {tuple(t.shape)}, the adapter's trained copy {tuple(result.shape)}")
+        else:
+            result = tensor
+        if result.is_floating_point():
+            if not torch.isfinite(result).all():
+                raise UserError(f"merged weight {t.name} contains NaN/inf; the adapter is broken (check the training metrics)")
+            result = result.to(self.dtype)  # the one cast
+        if lora is not None:
+            if self.verify_every and self.merged % self.verify_every == 0:
+                self.layer_drifts.append(verify_layer(t.name, tensor, result, lora, self.fan_in_fan_out, self.adapter_config))
+            self.merged += 1
+        return result
+
+    def close(self) -> None:
+        self.shard = self.shard_path = None
+
+
 # --- the command ----------------------------------------------------------------------------------
 def prepare_output(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
@@ -278,8 +358,6 @@ def prepare_output(out: Path, overwrite: bool) -> None:
 
 
 def run(cfg: MergeConfig) -> Path:
-    from safetensors import SafetensorError, safe_open
-
     adapter_dir = Path(cfg.adapter).expanduser()
     out = Path(cfg.output).expanduser()
     max_bytes = parse_size(cfg.max_shard_size, "--max-shard-size")
@@ -293,55 +371,31 @@ def run(cfg: MergeConfig) -> Path:
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     dtype = OUT_DTYPE[cfg.dtype]
 
+    shards = base_shards(base)
+    groups = plan_output(shards, dtype, max_bytes)
+    planned_names = {t.name for group in groups for t in group}
+    missing = sorted((set(modules) | set(replacements)) - planned_names)
+    if missing:
+        raise UserError(f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this adapter was trained on another base")
+
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
+    merger = TensorMerger(modules, replacements, fan_in_fan_out, dtype, config, cfg.verify)
+    n_params = sum(math.prod(t.shape) for group in groups for t in group)
     try:
-        writer = ShardWriter(tmp, max_bytes)
-        merged_names, n_params, layer_drifts = set(), 0, []
-        shards = base_shards(base)
-        sample_every = max(1, len(modules) // 8)
-        for shard_no, shard in enumerate(shards, start=1):
-            try:
-                handle = safe_open(str(shard), framework="pt")
-                names = list(handle.keys())
-            except (SafetensorError, OSError) as e:
-                raise UserError(f"--base: shard {shard} is unreadable or truncated ({e})") from None
-            for name in names:
-                try:
-                    tensor = handle.get_tensor(name)
-                except (SafetensorError, OSError) as e:
-                    raise UserError(f"--base: tensor {name} in {shard} is unreadable ({e})") from None
-                n_params += tensor.numel()
-                if name in modules:
-                    result = merged_weight(tensor, modules[name], fan_in_fan_out, name)
-                    merged_names.add(name)
-                    if cfg.verify and (len(merged_names) - 1) % sample_every == 0:
-                        # Checked on the spot, so no tensor outlives its shard.
-                        layer_drifts.append(verify_layer(name, tensor, result.to(dtype), modules[name], fan_in_fan_out, config))
-                elif name in replacements:
-                    if replacements[name].shape != tensor.shape:
-                        raise UserError(f"--base: {name} has shape {tuple(tensor.shape)}, the adapter's trained copy {tuple(replacements[name].shape)}")
-                    result = replacements[name].float()
-                    merged_names.add(name)
-                else:
-                    result = tensor
-                if result.is_floating_point():
-                    if not torch.isfinite(result).all():
-                        raise UserError(f"merged weight {name} contains NaN/inf; the adapter is broken (check the training metrics)")
-                    result = result.to(dtype)  # the one cast
-                writer.add(name, result)
-            log.info("merged shard %d/%d (%s)", shard_no, len(shards), shard.name)
-        missing = sorted((set(modules) | set(replacements)) - merged_names)
-        if missing:
-            raise UserError(f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this adapter was trained on another base")
-        files = writer.finish()
+        names = shard_names(len(groups))
+        for group, name in zip(groups, names):
+            write_shard(tmp / name, group, merger)
+        merger.close()
+        write_index(tmp, groups, names)
         write_side_files(base, adapter_dir, tmp, cfg.dtype)
-        log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(files), writer.total_bytes / 1e9, len(modules), time.perf_counter() - t0)
+        total = sum(t.nbytes for group in groups for t in group)
+        log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, len(modules), time.perf_counter() - t0)
         if cfg.verify:
-            drift = max(layer_drifts, default=0.0)
-            log.info("verify: %d sampled layers vs peft's LoRA layer: max relative drift %.2e", len(layer_drifts), drift)
+            drift = max(merger.layer_drifts, default=0.0)
+            log.info("verify: %d sampled layers vs peft's LoRA layer: max relative drift %.2e", len(merger.layer_drifts), drift)
             if n_params <= FULL_CHECK_MAX_PARAMS:
                 logits_drift = verify_logits(base, adapter_dir, tmp, cfg.trust_remote_code)
                 log.info("verify: whole-model logits vs base + adapter (peft): relative drift %.2e", logits_drift)
@@ -357,6 +411,9 @@ def run(cfg: MergeConfig) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"--output: could not write the merged model under {out.parent} ({e.strerror or e}); nothing was left behind. Free space or choose another --output", exit_code=1) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
