@@ -3,6 +3,7 @@ the model is loaded, with nothing written to disk."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -74,16 +75,48 @@ def _case(name, tmp_path: Path, tiny_model: Path, good: Path):
         return fast_train_args(tiny_model, good, out, rank="abc"), "--rank"
     if name == "missing output dir":
         return ["train", "--base", tiny_model, "--data", good], "--output-dir is required"
+    if name == "eval split out of range":
+        return fast_train_args(tiny_model, good, out, eval_split=1.5), "--eval-split: must be in [0, 1)"
+    if name == "zero max steps":
+        return fast_train_args(tiny_model, good, out, max_steps=0), "--max-steps"
+    if name == "zero micro batch":
+        return fast_train_args(tiny_model, good, out, micro_batch_size=0), "--micro-batch-size"
+    if name == "unknown scheduler":
+        return fast_train_args(tiny_model, good, out, lr_scheduler="cosine_restarts"), "--lr-scheduler"
+    if name == "unknown optimizer":
+        return fast_train_args(tiny_model, good, out, optim="lion"), "--optim"
+    if name == "reporter not installed":
+        return fast_train_args(tiny_model, good, out, report_to="wandb"), "pip install wandb"
+    if name == "invalid yaml":
+        cfg = tmp_path / "bad.yaml"
+        cfg.write_text("rank: [8\nlr: 1\n")
+        return ["train", "--config", cfg, "--base", tiny_model, "--data", good, "--output-dir", out], "not valid YAML"
+    if name == "missing config file":
+        return ["train", "--config", tmp_path / "none.yaml", "--base", tiny_model, "--data", good, "--output-dir", out], "none.yaml does not exist"
+    if name == "output dir is a file":
+        f = tmp_path / "a-file"
+        f.write_text("x")
+        return fast_train_args(tiny_model, good, f), "is a file"
+    if name == "hub dataset unreachable":
+        return fast_train_args(tiny_model, "someone/no-such-dataset", out), "could not load someone/no-such-dataset"
+    if name == "base folder without config":
+        d = tmp_path / "not-a-model"
+        d.mkdir()
+        return fast_train_args(d, good, out), "has no config.json"
     raise KeyError(name)
 
 
 CASES = ["missing data", "folder without data files", "unsupported extension", "broken json line", "unknown columns", "empty dataset", "malformed messages",
          "messages without assistant", "rank 0", "negative rank", "unknown precision", "lr 0", "max-seq-len 0", "unknown alias",
-         "missing base dir", "unknown config key", "rank not a number", "missing output dir"]
+         "missing base dir", "unknown config key", "rank not a number", "missing output dir", "eval split out of range",
+         "zero max steps", "zero micro batch", "unknown scheduler", "unknown optimizer", "reporter not installed", "invalid yaml",
+         "missing config file", "output dir is a file", "hub dataset unreachable", "base folder without config"]
 
 
 @pytest.mark.parametrize("name", CASES)
 def test_bad_input_is_one_clear_error(name, tmp_path, tiny_model, data_files, capsys, no_model_loading):
+    if name == "reporter not installed" and importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is installed here")
     argv, expected = _case(name, tmp_path, tiny_model, data_files["text"])
     before = sorted(tmp_path.rglob("*"))
     try:
