@@ -10,7 +10,7 @@ import sys
 import typing
 from typing import Any
 
-from lora_tune.config import MergeConfig, TrainConfig, build_config, flag, read_yaml
+from lora_tune.config import MergeConfig, PlanConfig, TrainConfig, build_config, flag, read_yaml
 from lora_tune.errors import UserError
 
 
@@ -40,14 +40,15 @@ def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
         help_text = (f.description or "") + default
         kw: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
         if kind is bool:
-            parser.add_argument(flag(name), action=argparse.BooleanOptionalAction, **kw)
+            parser.add_argument(flag(name, f), action=argparse.BooleanOptionalAction, **kw)
             continue
         if typing.get_origin(kind) is typing.Literal:
-            kw["metavar"] = "|".join(typing.get_args(kind))
-            kind = str  # validated by the schema, so the message is the same for YAML and flags
+            choices = typing.get_args(kind)
+            kw["metavar"] = "|".join(map(str, choices))
+            kind = type(choices[0])  # validated by the schema, so the message is the same for YAML and flags
         if is_list:
             kw["nargs"] = "+"
-        parser.add_argument(flag(name), type=kind, **kw)
+        parser.add_argument(flag(name, f), type=kind, **kw)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     merge = sub.add_parser("merge", help="merge an adapter into its full-precision base", description="Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.")
     merge.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
     add_schema_flags(merge, MergeConfig)
+
+    plan = sub.add_parser("plan", help="will it fit, and which setup is fastest", description="Estimate memory per GPU and host from config.json alone (no weights), or --auto search the fastest setup that fits. Takes every train option, so a training --config plans as it is.")
+    plan.add_argument("--config", metavar="FILE", help="YAML file (a training config works)")
+    add_schema_flags(plan, PlanConfig)
 
     sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
     return parser
@@ -127,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{stop.label}: {stop}", file=sys.stderr)
                 return stop.exit_code
             return 0
+        if args.command == "plan":
+            from lora_tune import plan
+
+            return plan.run(config_from_args(PlanConfig, args))
         if args.command == "merge":
             from lora_tune import merge
 

@@ -68,6 +68,7 @@ class TrainConfig(BaseModel):
     save_total_limit: Optional[int] = Field(None, json_schema_extra=FREE, description="Keep at most N checkpoints (the newest complete one is never removed).")
     resume: bool = Field(False, json_schema_extra=FREE, description="Continue from the newest complete checkpoint in --output-dir.")
     allow_config_change: bool = Field(False, json_schema_extra=FREE, description="On --resume, accept a configuration or dataset that differs from the checkpoint's.")
+    strict_memory: bool = Field(False, json_schema_extra=FREE, description="Refuse to start when the memory plan says the run will not fit (default: warn).")
     logging_steps: int = Field(1, json_schema_extra=FREE, description="Write metrics every N optimizer steps.")
     report_to: Literal["none", "tensorboard", "wandb"] = Field("none", json_schema_extra=FREE, description="Also send metrics to TensorBoard or Weights & Biases.")
 
@@ -138,8 +139,10 @@ class TrainConfig(BaseModel):
         return [n for n, f in cls.model_fields.items() if (f.json_schema_extra or {}).get("resume_rule") == "math"]
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag(name: str, field=None) -> str:
+    """The CLI flag of a field: its name with dashes, unless the field names its own."""
+    custom = (getattr(field, "json_schema_extra", None) or {}).get("flag")
+    return custom or "--" + name.replace("_", "-")
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -208,3 +211,26 @@ class MergeConfig(BaseModel):
     verify: bool = Field(True, description="Check merged weights for NaN/inf and compare merged vs base + adapter outputs.")
     overwrite: bool = Field(False, description="Replace a non-empty --output folder.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub during verification.")
+
+
+class PlanConfig(TrainConfig):
+    """`lora-tune plan` takes every `train` option (so a training YAML plans as it is) plus the
+    hardware; data and output folder are not needed."""
+
+    data: Optional[str] = Field(None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused).")
+    output_dir: Optional[str] = Field(None, json_schema_extra=FREE, description="Not needed for planning.")
+    zero: Literal[0, 2, 3] = Field(0, description="DeepSpeed ZeRO stage to plan for: 0 (none), 2 (shard gradients and optimizer), 3 (also weights).")
+    offload: Literal["none", "cpu", "nvme"] = Field("none", description="Offload optimizer states (ZeRO-3: also weights) to host RAM or NVMe.")
+    gpus: int = Field(1, description="GPUs per node.")
+    nodes: int = Field(1, description="Nodes.")
+    gpu_memory: str = Field("a100-80", description="Memory per GPU: a size (80GB, 24GiB) or a GPU name: t4, l4, a10g, rtx3090, rtx4090, a100-40, a100-80, h100-80, h200.")
+    cpu_memory: Optional[str] = Field(None, description="Host memory per node (e.g. 512GB); checked when given.")
+    print_json: bool = Field(False, json_schema_extra={"flag": "--json"}, description="Print the estimate as JSON (bytes per device).")
+    auto: bool = Field(False, description="Search precision x ZeRO x offload x checkpointing x micro-batch for the fastest setup that fits.")
+
+    @field_validator("gpus", "nodes")
+    @classmethod
+    def _count(cls, v):
+        if v <= 0:
+            raise ValueError(f"must be a positive integer (got {v})")
+        return v

@@ -108,6 +108,36 @@ def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir
     return state
 
 
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
+
+
+def preflight(cfg: TrainConfig, device: torch.device):
+    """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
+    when it will not fit. Returns (estimate, available bytes), or None when the architecture
+    can't be read offline."""
+    from lora_tune import plan
+
+    try:
+        arch = plan.load_architecture(cfg.base)
+    except UserError as e:
+        log.info("memory plan skipped: %s", e)
+        return None
+    estimate = plan.estimate(arch, plan.setup_from(cfg))
+    need, have = estimate.per_device["total_bytes"], device_memory_bytes(device)
+    log.info("memory plan: %.2f GiB of %.2f GiB on %s", need / plan.GIB, have / plan.GIB, device)
+    if need > have:
+        message = f"the memory plan needs {need / plan.GIB:.1f} GiB but {device} has {have / plan.GIB:.1f} GiB; run `lora-tune plan --auto` with these options for a setup that fits"
+        if cfg.strict_memory:
+            raise UserError(f"--strict-memory: {message}")
+        log.warning("warning: %s", message)
+    return estimate, have
+
+
 class Recipe:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -124,9 +154,10 @@ class Recipe:
         log.info("data: %s format, %s; %d train / %d eval samples", self.data.format, self.data.stats.summary(), len(self.data.train), len(self.data.eval))
         saved_state = check_resume_compatible(cfg, self.data, self.resume_from) if self.resume_from else None
         self.total_steps = total_steps(cfg, len(self.data.train))
+        self.device = pick_device()
+        self.plan = preflight(cfg, self.device)
 
         # Only now, with every input checked, the expensive part.
-        self.device = pick_device()
         model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin)
         self.model = add_lora(model, cfg, self.base_id)
         self.engine = SingleDeviceEngine(self.model, cfg, self.device, self.total_steps)
@@ -207,8 +238,11 @@ class Recipe:
                 t0 = time.perf_counter()
                 batches = self._step_batches(state.step)
                 n_labels = sum(label_tokens(b) for b in batches)
-                loss = sum(float(self.engine.forward_backward(b, n_labels)) for b in batches)
-                grad_norm, applied = self.engine.step()
+                try:
+                    loss = sum(float(self.engine.forward_backward(b, n_labels)) for b in batches)
+                    grad_norm, applied = self.engine.step()
+                except torch.OutOfMemoryError:
+                    self._out_of_memory()
                 state.step += 1
                 step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
                 state.tokens_seen += step_tokens
@@ -240,6 +274,23 @@ class Recipe:
             progress.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+    def _out_of_memory(self):
+        """The step in flight is dropped (weights and optimizer are still those of the last
+        completed step), its state checkpointed, and the plan printed with what to change."""
+        from lora_tune import plan
+
+        self.engine.zero_grad()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        path = self.save_checkpoint() if self.state.step > 0 else None
+        lines = [f"out of memory at step {self.state.step + 1} on {self.device}."]
+        if self.plan:
+            estimate, have = self.plan
+            lines.append(plan.table(estimate, plan.setup_from(self.cfg), have, None))
+        lines.append("try, in this order: " + "; ".join(plan.OOM_ADVICE))
+        lines.append(f"checkpoint saved to {path}; continue with --resume" if path else "no step had completed, so nothing was saved")
+        raise TrainingStopped("\n".join(lines), 1, "error")
 
     # --- save and cleanup ------------------------------------------------------------------------
     def save(self) -> None:

@@ -1,0 +1,412 @@
+"""`lora-tune plan`: will a fine-tune fit, and which setup that fits is fastest.
+
+Everything is computed from config.json alone (shipped for aliases), never from weights:
+
+* model states, per tensor, exactly as the libraries store them: bf16/fp16/fp32 weights; LLM.int8
+  (int8 + one fp32 scale per output row); NF4 with double quantization (packed 4-bit, uint8 absmax
+  per 64, fp32 absmax per 256 blocks, code books); LoRA weights, gradients in fp32; AdamW (two fp32
+  states + step), bitsandbytes 8-bit AdamW (two uint8 states, fp32 absmax per 256, two 256-entry
+  code books; tensors under 4096 elements stay 32-bit).
+* activations, per token and per layer, for HF's Llama-family layer with peft LoRA under autocast,
+  derived by listing what autograd saves (and checked against saved_tensors_hooks in the tests):
+    2 RMSNorms             2 x (4h + 4)        fp32 input + rsqrt, whatever the compute dtype
+    SDPA                   e(2q + 2kv) + 4n    q, k, v (kv heads, not repeated), output; fp32 logsumexp
+    SwiGLU MLP             3e i                gate output, SiLU output, up output
+    each LoRA linear       e(d_in + r)         its input (recast for lora_A) and the rank-r middle;
+                                               in fp32 (no recast) layers reading one input share it
+    rotary cos/sin         2 e head_dim s      per layer and sequence
+  where e is the compute dtype's size, q = heads*head_dim, kv = kv_heads*head_dim. Frozen base
+  linears save nothing: their weight needs no gradient. With (non-reentrant) checkpointing each
+  layer keeps only its input (e h per token) and one layer is recomputed at a time in backward.
+* logits: the loss upcasts to fp32 and keeps it (4 V per token); backward adds the fp32 gradient
+  and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
+* ZeRO-2 divides gradients and optimizer states by the world size, ZeRO-3 also the weights (plus
+  one gathered layer); offload moves optimizer states (ZeRO-3: also weights) to host RAM or NVMe.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from lora_tune.errors import UserError
+
+GIB = 2**30
+# Usable memory as drivers report it (a "16 GB" card shows ~15 GiB).
+GPUS = {
+    "t4": 15.0 * GIB, "l4": 22.5 * GIB, "a10g": 22.5 * GIB, "rtx4090": 23.6 * GIB, "rtx3090": 23.6 * GIB,
+    "a100-40": 39.4 * GIB, "a100-80": 79.2 * GIB, "h100-80": 79.6 * GIB, "h200": 139.8 * GIB,
+}
+CUDA_CONTEXT = 512 * 2**20  # CUDA context + cuBLAS workspace: outside max_memory_allocated, but real
+ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "8bit": 2, "4bit": 2}  # compute dtype size
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, c: dict) -> "Architecture":
+        try:
+            heads = c["num_attention_heads"]
+            return cls(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads, c.get("num_key_value_heads") or heads,
+                       c.get("head_dim") or c["hidden_size"] // heads, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
+                       c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)))
+        except KeyError as e:
+            raise UserError(f"--base: config.json has no {e.args[0]}; only Llama-family decoders (Llama, Mistral, Qwen2) can be planned") from None
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of one block."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def unquantized_params(self) -> int:
+        """Embeddings, head, norms and biases: bitsandbytes leaves them in the compute dtype."""
+        h = self.hidden
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return self.vocab * h * (1 if self.tied else 2) + self.layers * (2 * h + bias) + h
+
+    def total_params(self) -> int:
+        return self.unquantized_params() + self.layers * sum(a * b for a, b in self.linears().values())
+
+
+def load_architecture(base: str) -> Architecture:
+    from lora_tune.aliases import ALIASES, architecture, looks_like_path
+
+    if base in ALIASES:
+        return Architecture.from_config(architecture(base))
+    if looks_like_path(base):
+        path = Path(base).expanduser() / "config.json"
+        if not path.is_file():
+            raise UserError(f"--base: {path} does not exist; give a model folder with a config.json, or an alias from `lora-tune models`")
+        return Architecture.from_config(json.loads(path.read_text()))
+    from lora_tune.aliases import resolve_base
+
+    resolved = resolve_base(base)  # unknown aliases fail here, with a suggestion
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return Architecture.from_config(json.loads(Path(hf_hub_download(resolved, "config.json")).read_text()))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types
+        raise UserError(f"--base: could not read config.json of {resolved} ({str(e).splitlines()[0]}); pass an alias or a local folder") from None
+
+
+@dataclass(frozen=True)
+class Setup:
+    precision: str = "bf16"
+    rank: int = 16
+    target_modules: tuple[str, ...] = MODULES
+    micro_batch_size: int = 1
+    max_seq_len: int = 2048
+    gradient_checkpointing: bool = True
+    optim: str = "adamw_8bit"
+    zero: int = 0
+    offload: str = "none"
+    gpus: int = 1
+    nodes: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+
+@dataclass
+class Estimate:
+    trainable_parameters: int
+    per_device: dict[str, int]
+    host: dict[str, int]
+    nvme_bytes: int
+    saved_activations_bytes: int  # what autograd keeps between forward and backward
+    detail: dict = field(default_factory=dict)
+
+
+# --- model states ------------------------------------------------------------------------------------
+def quantized_weight_bytes(n_in: int, n_out: int, precision: str) -> int:
+    n = n_in * n_out
+    if precision == "8bit":
+        return n + 4 * n_out  # int8 weight + fp32 scale per output row (SCB)
+    if precision == "4bit":
+        blocks = math.ceil(n / 64)
+        # packed NF4 + uint8 absmax per 64 + fp32 absmax per 256 blocks + NF4 code (16) + nested code (256) + offset
+        return n // 2 + blocks + 4 * math.ceil(blocks / 256) + 16 * 4 + 256 * 4 + 4
+    return n * {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
+
+
+def base_weight_bytes(arch: Architecture, precision: str) -> tuple[int, int]:
+    """(all weights, largest layer) in bytes as loaded."""
+    layer = sum(quantized_weight_bytes(a, b, precision) for a, b in arch.linears().values())
+    other = arch.unquantized_params() * (4 if precision == "fp32" else 2)
+    return other + arch.layers * layer, layer
+
+
+def lora_tensors(arch: Architecture, setup: Setup) -> list[int]:
+    """Element counts of every LoRA tensor (A and B per targeted linear per layer)."""
+    sizes = []
+    for name, (n_in, n_out) in arch.linears().items():
+        if name in setup.target_modules:
+            sizes += [setup.rank * n_in, n_out * setup.rank]
+    return sizes * arch.layers
+
+
+def optimizer_bytes(tensors: list[int], optim: str) -> int:
+    if optim == "adamw":
+        return sum(8 * n + 4 for n in tensors)  # exp_avg + exp_avg_sq (fp32) + step
+    total = 0
+    for n in tensors:  # bitsandbytes 8-bit AdamW (paged: same bytes, may spill to host)
+        total += 8 * n if n < 4096 else 2 * n + 2 * 4 * math.ceil(n / 256) + 2 * 256 * 4
+    return total
+
+
+# --- activations ----------------------------------------------------------------------------------
+def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
+    e = ELEMENT[setup.precision]
+    h, i = arch.hidden, arch.intermediate
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    norms = 2 * (4 * h + 4)
+    attention = e * (2 * q + 2 * kv) + 4 * arch.heads
+    mlp = 3 * e * i
+    targets = [name for name in arch.linears() if name in setup.target_modules]
+    linears = arch.linears()
+    lora = sum(e * setup.rank for _ in targets)  # lora_A outputs
+    if setup.precision == "fp32":
+        # No casts: LoRA layers reading the same input (q/k/v, gate/up) share one saved tensor.
+        groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
+        lora += sum(e * linears[g[0]][0] for g in groups if any(name in targets for name in g))
+    else:
+        # Under autocast peft recasts the input of each LoRA layer: one copy per layer.
+        lora += sum(e * linears[name][0] for name in targets)
+    return norms + attention + mlp + lora
+
+
+def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
+    """(saved for backward, peak during backward) for one micro-batch, logits excluded."""
+    e = ELEMENT[setup.precision]
+    tokens = setup.micro_batch_size * setup.max_seq_len
+    rope = 2 * e * arch.head_dim * setup.max_seq_len
+    full_layer = int(layer_activation_bytes_per_token(arch, setup) * tokens) + rope
+    final_norm = (4 * arch.hidden + 4) * tokens
+    if not setup.gradient_checkpointing:
+        saved = arch.layers * full_layer + final_norm
+        return saved, saved
+    saved = arch.layers * e * arch.hidden * tokens + final_norm
+    return saved, saved + full_layer  # one layer's activations rebuilt at a time in backward
+
+
+def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
+    """(saved: fp32 logits + labels, peak: plus the fp32 gradient and compute-dtype logits)."""
+    tokens = setup.micro_batch_size * setup.max_seq_len
+    e = ELEMENT[setup.precision]
+    return tokens * (4 * arch.vocab + 8), tokens * (8 + e) * arch.vocab
+
+
+# --- the estimate ------------------------------------------------------------------------------
+def estimate(arch: Architecture, setup: Setup) -> Estimate:
+    n = setup.world
+    weights, layer_weights = base_weight_bytes(arch, setup.precision)
+    tensors = lora_tensors(arch, setup)
+    trainable = sum(tensors)
+    lora_bytes, grads, optim = 4 * trainable, 4 * trainable, optimizer_bytes(tensors, setup.optim)
+    host = {"offloaded_optimizer_bytes": 0, "offloaded_weights_bytes": 0, "loading_bytes": 0}
+    nvme = 0
+    if setup.zero >= 2:
+        grads, optim = math.ceil(grads / n), math.ceil(optim / n)
+    if setup.zero == 3:
+        weights = math.ceil(weights / n) + layer_weights  # own shard + one gathered layer
+        lora_bytes = math.ceil(lora_bytes / n)
+    if setup.offload != "none":
+        # DeepSpeed's CPU Adam: fp32 m, v and a fp32 master copy per shard (8-bit states can't go there).
+        offloaded = math.ceil(12 * trainable / n)
+        optim = 0
+        moved_weights = 0
+        if setup.zero == 3:
+            moved_weights = weights - 2 * layer_weights
+            weights = 2 * layer_weights  # working set: the gathered layer and the prefetched next
+        if setup.offload == "cpu":
+            host["offloaded_optimizer_bytes"] = offloaded * setup.gpus
+            host["offloaded_weights_bytes"] = moved_weights * setup.gpus
+        else:
+            nvme = (offloaded + moved_weights) * setup.gpus
+    # Loading: ZeRO-3 partitions while loading; otherwise each process streams the checkpoint
+    # shard by shard (peak ~ one 5 GB shard) into its device.
+    host["loading_bytes"] = setup.gpus * min(5 * 10**9, base_weight_bytes(arch, "bf16")[0])
+    host["total_bytes"] = sum(host.values())
+    saved_act, peak_act = activation_bytes(arch, setup)
+    saved_logits, peak_logits = logits_bytes(arch, setup)
+    # LoRA weights recast to the compute dtype by autocast, plus allocator slack.
+    overhead = CUDA_CONTEXT + ELEMENT[setup.precision] * trainable
+    per_device = {
+        "weights_bytes": weights, "trainable_bytes": lora_bytes, "gradients_bytes": grads, "optimizer_bytes": optim,
+        "activations_bytes": peak_act, "logits_bytes": peak_logits, "overhead_bytes": overhead,
+    }
+    per_device["total_bytes"] = sum(per_device.values())
+    return Estimate(trainable, per_device, host, nvme, saved_act + saved_logits)
+
+
+# --- search ------------------------------------------------------------------------------------
+# A deliberately simple throughput model (relative tokens/s per GPU): the cost of each choice as
+# a multiplier on step time, from published comparisons (QLoRA paper, LLaMA-Factory and DeepSpeed
+# docs). Good enough to rank setups; not a prediction of absolute speed.
+SLOWDOWN = {
+    "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 2.5, "8bit": 1.6, "4bit": 1.3},
+    "checkpointing": {False: 1.0, True: 1.33},  # one extra forward
+    "zero": {0: 1.0, 2: 1.05, 3: 1.2},
+    "offload": {"none": 1.0, "cpu": 1.6, "nvme": 3.0},
+}
+
+
+def relative_speed(setup: Setup) -> float:
+    tokens = setup.micro_batch_size * setup.max_seq_len
+    utilisation = min(1.0, tokens / 8192) ** 0.3  # small batches leave the GPU underused
+    cost = (SLOWDOWN["precision"][setup.precision] * SLOWDOWN["checkpointing"][setup.gradient_checkpointing]
+            * SLOWDOWN["zero"][setup.zero] * SLOWDOWN["offload"][setup.offload])
+    return setup.world * utilisation / cost
+
+
+def candidates(base: Setup):
+    for precision in ("bf16", "8bit", "4bit"):
+        for zero in (0, 2, 3):  # ZeRO also runs on one GPU, where it only matters with offload
+            for offload in ("none", "cpu", "nvme"):
+                if (offload != "none" and zero == 0) or (base.world == 1 and zero and offload == "none"):
+                    continue
+                for ckpt in (False, True):
+                    for mbs in (1, 2, 4, 8, 16):
+                        if precision == "8bit" and zero == 3:
+                            continue  # refused by the compatibility matrix (no tool supports it)
+                        yield replace(base, precision=precision, zero=zero, offload=offload, gradient_checkpointing=ckpt, micro_batch_size=mbs)
+
+
+def fits(est: Estimate, gpu_bytes: int, cpu_bytes: int | None) -> bool:
+    return est.per_device["total_bytes"] <= gpu_bytes and (cpu_bytes is None or est.host["total_bytes"] <= cpu_bytes)
+
+
+def search(arch: Architecture, base: Setup, gpu_bytes: int, cpu_bytes: int | None):
+    """(best fitting setup or None, its estimate, nearest setup when none fits)."""
+    scored = [(s, estimate(arch, s)) for s in candidates(base)]
+    fitting = [(s, e) for s, e in scored if fits(e, gpu_bytes, cpu_bytes)]
+    if fitting:
+        best = max(fitting, key=lambda se: (relative_speed(se[0]), -se[1].per_device["total_bytes"]))
+        return best[0], best[1], None
+    nearest = min(scored, key=lambda se: se[1].per_device["total_bytes"])
+    return None, None, nearest
+
+
+def gpu_memory_bytes(text: str) -> int:
+    from lora_tune.config import parse_size
+
+    key = text.strip().lower()
+    if key in GPUS:
+        return int(GPUS[key])
+    try:
+        return parse_size(text, "--gpu-memory")
+    except UserError:
+        raise UserError(f"--gpu-memory: {text!r} is neither a size (e.g. 80GB) nor a known GPU ({', '.join(GPUS)})") from None
+
+
+def to_json(est: Estimate, fits_: bool) -> dict:
+    return {"trainable_parameters": est.trainable_parameters, "per_device": dict(est.per_device),
+            "host": dict(est.host), "nvme_bytes": est.nvme_bytes, "fits": fits_}
+
+
+def gib(x: int) -> str:
+    return f"{x / GIB:8.2f} GiB"
+
+
+def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> str:
+    rows = [f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens, "
+            f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.optim}, ZeRO-{setup.zero}, offload {setup.offload}, "
+            f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
+            f"trainable (LoRA) parameters: {est.trainable_parameters:,}", "per device:"]
+    for k, v in est.per_device.items():
+        rows.append(f"  {k.removesuffix('_bytes'):<13} {gib(v)}")
+    rows.append("host:")
+    for k, v in est.host.items():
+        rows.append(f"  {k.removesuffix('_bytes'):<26} {gib(v)}")
+    if est.nvme_bytes:
+        rows.append(f"nvme: {gib(est.nvme_bytes)}")
+    margin = gpu_bytes - est.per_device["total_bytes"]
+    verdict = "fits" if margin >= 0 else "does NOT fit"
+    rows.append(f"{verdict} in {gpu_bytes / GIB:.1f} GiB per GPU ({'spare' if margin >= 0 else 'short by'} {abs(margin) / GIB:.2f} GiB)")
+    if cpu_bytes is not None and est.host["total_bytes"] > cpu_bytes:
+        rows.append(f"host memory does NOT fit: needs {est.host['total_bytes'] / GIB:.1f} GiB of {cpu_bytes / GIB:.1f} GiB")
+    return "\n".join(rows)
+
+
+def train_command(base: str, setup: Setup) -> str:
+    parts = ["lora-tune train", f"--base {base}", f"--precision {setup.precision}", f"--rank {setup.rank}",
+             f"--micro-batch-size {setup.micro_batch_size}", f"--max-seq-len {setup.max_seq_len}", f"--optim {setup.optim}",
+             "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing"]
+    if setup.zero:
+        parts += [f"--zero {setup.zero}", f"--offload {setup.offload}", f"--nproc {setup.gpus}"]
+    return " ".join(parts) + " --data FILE --output-dir DIR"
+
+
+OOM_ADVICE = [
+    "a smaller --micro-batch-size with a larger --grad-accum (same effective batch)",
+    "--gradient-checkpointing (recompute activations in backward)",
+    "--optim adamw_8bit (2 B instead of 8 B of optimizer state per LoRA parameter)",
+    "--precision 4bit (NF4 base: ~0.52 B per weight instead of 2)",
+    "ZeRO-3 with CPU offload across several GPUs",
+    "a shorter --max-seq-len",
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)",
+]
+
+
+def setup_from(cfg) -> Setup:
+    return Setup(precision=cfg.precision, rank=cfg.rank, target_modules=tuple(cfg.target_modules or MODULES),
+                 micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len, gradient_checkpointing=cfg.gradient_checkpointing,
+                 optim="adamw" if cfg.optim == "adamw" else "adamw_8bit",
+                 zero=getattr(cfg, "zero", 0), offload=getattr(cfg, "offload", "none"),
+                 gpus=getattr(cfg, "gpus", 1), nodes=getattr(cfg, "nodes", 1))
+
+
+def run(cfg) -> int:
+    """The `lora-tune plan` command; prints a table (or JSON) and returns the exit code."""
+    from lora_tune.config import parse_size
+
+    if cfg.zero == 3 and cfg.precision == "8bit":
+        raise UserError("--precision 8bit with --zero 3 is not supported (bitsandbytes int8 weights can't be partitioned); use --precision 4bit or bf16")
+    if cfg.offload != "none" and cfg.zero == 0:
+        raise UserError(f"--offload {cfg.offload} needs --zero 2 or 3")
+    arch = load_architecture(cfg.base)
+    setup = setup_from(cfg)
+    gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
+    cpu_bytes = parse_size(cfg.cpu_memory, "--cpu-memory") if cfg.cpu_memory else None
+    if cfg.auto:
+        best, est, nearest = search(arch, setup, gpu_bytes, cpu_bytes)
+        if best is None:
+            setup, est = nearest
+            if cfg.print_json:
+                print(json.dumps({**to_json(est, False), "recommended": None}))
+                return 0
+            print("nothing fits; the nearest option:")
+            print(table(est, setup, gpu_bytes, cpu_bytes))
+            return 0
+        if cfg.print_json:
+            print(json.dumps({**to_json(est, True), "recommended": asdict(best) | {"command": train_command(cfg.base, best)}}))
+            return 0
+        print(f"fastest setup that fits (relative speed {relative_speed(best):.2f}):")
+        print(table(est, best, gpu_bytes, cpu_bytes))
+        print("\n" + train_command(cfg.base, best))
+        if best.zero or best.world > 1:
+            print("note: `train` runs on one device for now; --zero/--offload/--nproc arrive with DeepSpeed support")
+        return 0
+    est = estimate(arch, setup)
+    ok = fits(est, gpu_bytes, cpu_bytes)
+    if cfg.print_json:
+        print(json.dumps(to_json(est, ok)))
+    else:
+        print(table(est, setup, gpu_bytes, cpu_bytes))
+    return 0

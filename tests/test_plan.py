@@ -1,0 +1,216 @@
+"""`lora-tune plan`: model states exact, activations within 10% of what autograd really saves,
+hand-checked 70B figures, ZeRO division, --auto, and the train pre-flight / OOM path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lora_tune import plan
+from lora_tune.config import TrainConfig
+
+from conftest import fast_train_args, run_cli, single_error_line
+
+LLAMA3_70B = plan.load_architecture("llama-70b")
+
+
+def plan_json(capsys, *args) -> dict:
+    code, out, err = run_cli(["plan", *args, "--json"], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_llama3_70b_hand_checked_figures(capsys):
+    result = plan_json(capsys, "--base", "llama-70b", "--rank", "16", "--precision", "bf16")
+    # r * sum(in + out) over q,k,v,o,gate,up,down = 16 * 161,792 per layer, 80 layers.
+    assert result["trainable_parameters"] == 207_093_760
+    assert result["per_device"]["weights_bytes"] == pytest.approx(141.1e9, rel=0.005)  # 70.55B x 2 B
+    assert set(result) >= {"trainable_parameters", "per_device", "host", "fits"}
+    assert list(result["per_device"]) == ["weights_bytes", "trainable_bytes", "gradients_bytes", "optimizer_bytes", "activations_bytes", "logits_bytes", "overhead_bytes", "total_bytes"]
+    assert result["per_device"]["total_bytes"] == sum(v for k, v in result["per_device"].items() if k != "total_bytes")
+    assert result["fits"] is False  # 141 GB of weights don't fit one 80 GB card
+
+
+def test_nf4_double_quant_is_4_127_bits_per_quantised_weight():
+    n_in, n_out = 8192, 28672
+    bits = 8 * plan.quantized_weight_bytes(n_in, n_out, "4bit") / (n_in * n_out)
+    assert bits == pytest.approx(4.127, abs=0.001)
+    assert plan.quantized_weight_bytes(n_in, n_out, "8bit") == n_in * n_out + 4 * n_out
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zero3_divides_the_sharded_states_by_the_world_size(n, capsys):
+    single = plan_json(capsys, "--base", "llama-70b", "--precision", "bf16")["per_device"]
+    sharded = plan_json(capsys, "--base", "llama-70b", "--precision", "bf16", "--zero", "3", "--gpus", str(n))["per_device"]
+    _, layer = plan.base_weight_bytes(LLAMA3_70B, "bf16")
+    assert sharded["weights_bytes"] - layer == pytest.approx(single["weights_bytes"] / n, abs=1)
+    for key in ("trainable_bytes", "gradients_bytes", "optimizer_bytes"):
+        assert sharded[key] == pytest.approx(single[key] / n, abs=1), key
+    zero2 = plan_json(capsys, "--base", "llama-70b", "--precision", "bf16", "--zero", "2", "--gpus", str(n))["per_device"]
+    assert zero2["weights_bytes"] == single["weights_bytes"] and zero2["gradients_bytes"] == pytest.approx(single["gradients_bytes"] / n, abs=1)
+
+
+def _measured_model_states(model, engine) -> dict[str, int]:
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    weights = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            continue
+        weights += nbytes(p)
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:  # NF4: absmax, code, and the double-quantisation state
+            weights += nbytes(qs.absmax) + nbytes(qs.code) + nbytes(qs.offset) + nbytes(qs.state2.absmax) + nbytes(qs.state2.code)
+        scb = getattr(p, "SCB", None)
+        if scb is not None:
+            weights += nbytes(scb)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = sum(nbytes(v) for state in engine.optimizer.state.values() for v in state.values() if torch.is_tensor(v)) if engine else 0
+    return {
+        "weights_bytes": weights,
+        "trainable_bytes": sum(nbytes(p) for p in trainable),
+        "optimizer_bytes": optimizer,
+    }
+
+
+@pytest.mark.parametrize("precision,optim", [("bf16", "adamw"), ("fp32", "adamw_8bit"), ("4bit", "adamw_8bit"), ("8bit", "adamw")])
+def test_model_states_are_exact(precision, optim, tiny_model):
+    from lora_tune.adapter import add_lora
+    from lora_tune.data import collate, Sample
+    from lora_tune.engine import SingleDeviceEngine
+    from lora_tune.model_loading import load_base_model
+
+    # rank 48: LoRA B of the MLP down projection (64 x 48 = 3072) stays 32-bit in 8-bit Adam,
+    # A of gate/up (48 x 128 = 6144) goes 8-bit, so both branches of the rule are exercised.
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision=precision, optim=optim, rank=48, max_seq_len=32)
+    model = add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b")
+    weights_at_load = _measured_model_states(model.base_model.model, None)["weights_bytes"]
+    engine = SingleDeviceEngine(model, cfg, torch.device("cpu"), total_steps=2)
+    batch = collate([Sample(list(range(3, 30)), list(range(3, 30)))], pad_id=0)
+    engine.forward_backward(batch, 26)
+    grads_kept = {id(p): p.grad.clone() for p in model.parameters() if p.requires_grad}
+    measured_grads = sum(g.numel() * g.element_size() for g in grads_kept.values())
+    engine.step()
+    # LLM.int8 keeps its row scales (SCB) on the weight until the first forward moves them into
+    # the layer's state, so the weights are measured as loaded.
+    measured = _measured_model_states(model.base_model.model, engine) | {"gradients_bytes": measured_grads, "weights_bytes": weights_at_load}
+    estimate = plan.estimate(plan.load_architecture(str(tiny_model)), plan.setup_from(cfg))
+    for key, value in measured.items():
+        assert estimate.per_device[key] == value, key
+
+
+def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int) -> int:
+    """Bytes autograd keeps for backward during one forward (parameters and their casts excluded)."""
+    from lora_tune.adapter import add_lora
+    from lora_tune.model_loading import compute_dtype, load_base_model
+
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision=precision, rank=8, gradient_checkpointing=checkpointing, dropout=0.0)
+    model = add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b")
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    small = 0
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        nonlocal small
+        key = t.untyped_storage().data_ptr()
+        if key in params:
+            return t
+        # Weight-shaped casts made by autocast (LoRA A/B in bf16) are parameter copies, not activations.
+        if t.dim() == 2 and min(t.shape) == cfg.rank and max(t.shape) != seq * batch:
+            small += t.untyped_storage().nbytes()
+            return t
+        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
+    autocast = torch.autocast("cpu", dtype=compute_dtype(precision)) if precision != "fp32" else torch.autocast("cpu", enabled=False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        model(input_ids=ids, labels=ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_within_10_percent_of_saved_tensors(precision, checkpointing, tiny_model):
+    seq, batch = 128, 2
+    measured = _saved_bytes(tiny_model, precision, checkpointing, seq, batch)
+    setup = plan.Setup(precision=precision, rank=8, micro_batch_size=batch, max_seq_len=seq, gradient_checkpointing=checkpointing)
+    planned = plan.estimate(plan.load_architecture(str(tiny_model)), setup).saved_activations_bytes
+    assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
+
+
+def test_checkpointing_cuts_planned_activations_for_a_70b():
+    with_ckpt = plan.activation_bytes(LLAMA3_70B, plan.Setup(gradient_checkpointing=True))[0]
+    without = plan.activation_bytes(LLAMA3_70B, plan.Setup(gradient_checkpointing=False))[0]
+    assert without / with_ckpt > 10
+
+
+def test_auto_recommends_a_fitting_setup_and_a_command(capsys):
+    code, out, err = run_cli(["plan", "--base", "llama-8b", "--auto", "--gpu-memory", "rtx4090"], capsys)
+    assert code == 0, err
+    assert "fastest setup that fits" in out and "fits in 23.6 GiB" in out
+    assert "lora-tune train --base llama-8b" in out
+    result = plan_json(capsys, "--base", "llama-8b", "--auto", "--gpu-memory", "rtx4090")
+    assert result["fits"] is True and result["per_device"]["total_bytes"] <= plan.GPUS["rtx4090"]
+    assert result["recommended"]["command"].startswith("lora-tune train")
+
+
+def test_auto_says_when_nothing_fits(capsys):
+    code, out, _ = run_cli(["plan", "--base", "llama-70b", "--auto", "--gpu-memory", "4GB", "--cpu-memory", "8GB"], capsys)
+    assert code == 0
+    assert "nothing fits; the nearest option" in out and "does NOT fit" in out
+
+
+def test_plan_accepts_a_training_config(capsys):
+    code, out, err = run_cli(["plan", "--config", "configs/llama-70b-qlora.yaml", "--gpu-memory", "a100-80"], capsys)
+    assert code == 0, err
+    assert "setup: 4bit, rank 16" in out and "fits in 79.2 GiB" in out
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--base", "llama-7b"], "did you mean"),
+    (["--base", "llama-8b", "--gpu-memory", "huge"], "--gpu-memory"),
+    (["--base", "llama-8b", "--precision", "8bit", "--zero", "3"], "8bit with --zero 3"),
+    (["--base", "llama-8b", "--offload", "cpu"], "needs --zero 2 or 3"),
+    (["--base", "llama-8b", "--gpus", "0"], "--gpus"),
+    (["--base", "/no/such/model"], "does not exist"),
+])
+def test_plan_bad_input(argv, expected, capsys):
+    code, _, err = run_cli(["plan", *argv], capsys)
+    assert code == 2 and expected in single_error_line(err)
+
+
+def test_train_preflight_warns_or_refuses_when_the_plan_does_not_fit(tiny_model, data_files, tmp_path, capsys):
+    huge = dict(max_seq_len=50_000_000, max_steps=1)  # planned for the worst case: full-length samples
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "strict", strict_memory=True, **huge), capsys)
+    assert code == 2 and "--strict-memory" in single_error_line(err) and "lora-tune plan --auto" in err
+    assert not (tmp_path / "strict").exists()
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "warn", **huge), capsys)
+    assert code == 0 and "warning: the memory plan needs" in err
+
+
+def test_out_of_memory_saves_prints_the_plan_and_advice(tiny_model, data_files, tmp_path, capsys, monkeypatch):
+    from lora_tune.engine import SingleDeviceEngine
+
+    real = SingleDeviceEngine.forward_backward
+    calls = {"n": 0}
+
+    def sometimes_oom(self, batch, n):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the third step
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, batch, n)
+
+    monkeypatch.setattr(SingleDeviceEngine, "forward_backward", sometimes_oom)
+    out = tmp_path / "run"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=5), capsys)
+    assert code == 1
+    assert "out of memory at step 3" in err and "--grad-accum" in err and "expandable_segments" in err and "weights" in err
+    assert (out / "checkpoint-2" / "COMPLETE").is_file()
+    monkeypatch.setattr(SingleDeviceEngine, "forward_backward", real)
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=5, resume=True), capsys)
+    assert code == 0 and "resumed from" in err
