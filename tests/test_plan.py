@@ -214,3 +214,29 @@ def test_out_of_memory_saves_prints_the_plan_and_advice(tiny_model, data_files, 
     monkeypatch.setattr(SingleDeviceEngine, "forward_backward", real)
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=5, resume=True), capsys)
     assert code == 0 and "resumed from" in err
+
+
+def test_gpu_benchmark_script_runs_on_cpu_with_the_tiny_model():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "benchmarks/plan_vs_measured.py", "--tiny"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("plan total") == 4
+
+
+def test_readme_plan_tables_are_what_plan_computes():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "benchmarks/plan_tables.py"], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    readme = (root / "README.md").read_text()
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "GiB" in line]
+    assert len(rows) == 8
+    for line in rows:
+        assert line in readme, line
