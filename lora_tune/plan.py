@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from lora_tune.errors import UserError
@@ -130,7 +130,6 @@ class Estimate:
     host: dict[str, int]
     nvme_bytes: int
     saved_activations_bytes: int  # what autograd keeps between forward and backward
-    detail: dict = field(default_factory=dict)
 
 
 # --- model states ------------------------------------------------------------------------------------
