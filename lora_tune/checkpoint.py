@@ -75,23 +75,27 @@ def newest_complete(output_dir: Path) -> Path | None:
 
 class CheckpointWriter:
     """Context manager: yields a temp folder to fill; on clean exit it is committed atomically,
-    on any exception it is removed and the previous checkpoints are untouched."""
+    on any exception it is removed and the previous checkpoints are untouched.
+
+    The temp name depends only on the step, so that in a multi-process run every rank writes its
+    own shard into the folder rank 0 created (`begin`), and rank 0 commits it (`commit`).
+    """
 
     def __init__(self, output_dir: Path, step: int):
         self.output_dir = output_dir
         self.final = output_dir / f"checkpoint-{step}"
-        self.tmp = output_dir / f".checkpoint-{step}.tmp-{os.getpid()}"
+        self.tmp = output_dir / f".checkpoint-{step}.tmp-{step}"
 
-    def __enter__(self) -> Path:
+    def begin(self) -> Path:
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         self.tmp.mkdir(parents=True)
         return self.tmp
 
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def commit(self) -> None:
         try:
             fsync_tree(self.tmp)
             (self.tmp / MARKER).write_text("ok\n")
@@ -105,8 +109,17 @@ class CheckpointWriter:
                 os.replace(self.tmp, self.final)
             fsync_dir(self.output_dir)
         except BaseException:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.abort()
             raise
+
+    def __enter__(self) -> Path:
+        return self.begin()
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+            return False
+        self.commit()
         return False
 
 

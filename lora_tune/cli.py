@@ -108,7 +108,8 @@ def setup_logging() -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    # In multi-process runs only rank 0 reports; the others speak up for warnings and errors.
+    logger.setLevel(logging.INFO if int(os.environ.get("RANK", 0)) == 0 else logging.WARNING)
     logger.propagate = False
 
 
@@ -123,9 +124,14 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-            from lora_tune.train import TrainingStopped, run
+            from lora_tune import distributed
+            from lora_tune.train import Recipe, TrainingStopped, run
 
             cfg = config_from_args(TrainConfig, args)
+            if cfg.nproc and not distributed.launched():
+                # Validate once here, in one line, before starting N processes that would each fail.
+                Recipe(cfg).check_inputs()
+                return distributed.launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc)
             try:
                 run(cfg)
             except TrainingStopped as stop:

@@ -62,6 +62,13 @@ class TrainConfig(BaseModel):
     seed: int = Field(42, json_schema_extra=MATH, description="Seed for data order, LoRA init and dropout.")
     max_bad_steps: int = Field(3, json_schema_extra=FREE, description="Stop after this many consecutive steps with NaN/inf loss or gradient norm (those steps are skipped, and logged).")
 
+    # --- distributed ---------------------------------------------------------------------------
+    zero: Literal[0, 2, 3] = Field(0, json_schema_extra=MATH, description="DeepSpeed ZeRO stage: 0 (none), 2 (shard gradients and optimizer states), 3 (also the base weights, partitioned while loading).")
+    offload: Literal["none", "cpu", "nvme"] = Field("none", json_schema_extra=MATH, description="With ZeRO: offload optimizer states (ZeRO-3: also weights) to host RAM (cpu) or NVMe.")
+    nvme_path: Optional[str] = Field(None, json_schema_extra=FREE, description="Folder for --offload nvme.")
+    zero_config: Optional[str] = Field(None, json_schema_extra=MATH, description="A full DeepSpeed JSON (bucket sizes, overlap, ...); batch sizes, clipping and the stage are set from the other options.")
+    nproc: Optional[int] = Field(None, json_schema_extra=FREE, description="Start N local processes (torchrun underneath). Not needed when launched by torchrun, deepspeed or accelerate.")
+
     # --- output ------------------------------------------------------------------------------
     output_dir: str = Field(json_schema_extra=FREE, description="Where the adapter, checkpoints and metrics go.")
     save_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Write a checkpoint every N optimizer steps (default: only at the end).")
@@ -94,7 +101,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be a positive integer (got {v})")
         return v
 
-    @field_validator("max_steps", "save_steps", "eval_steps", "save_total_limit")
+    @field_validator("max_steps", "save_steps", "eval_steps", "save_total_limit", "nproc")
     @classmethod
     def _positive_or_none(cls, v):
         if v is not None and v <= 0:
@@ -219,8 +226,6 @@ class PlanConfig(TrainConfig):
 
     data: Optional[str] = Field(None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused).")
     output_dir: Optional[str] = Field(None, json_schema_extra=FREE, description="Not needed for planning.")
-    zero: Literal[0, 2, 3] = Field(0, description="DeepSpeed ZeRO stage to plan for: 0 (none), 2 (shard gradients and optimizer), 3 (also weights).")
-    offload: Literal["none", "cpu", "nvme"] = Field("none", description="Offload optimizer states (ZeRO-3: also weights) to host RAM or NVMe.")
     gpus: int = Field(1, description="GPUs per node.")
     nodes: int = Field(1, description="Nodes.")
     gpu_memory: str = Field("a100-80", description="Memory per GPU: a size (80GB, 24GiB) or a GPU name: t4, l4, a10g, rtx3090, rtx4090, a100-40, a100-80, h100-80, h200.")

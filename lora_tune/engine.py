@@ -133,3 +133,86 @@ class SingleDeviceEngine:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+class DeepSpeedEngine(SingleDeviceEngine):
+    """The same interface over a DeepSpeed ZeRO engine (stage 2 or 3, optional CPU offload).
+
+    Our loss is already normalised over the step's label tokens, so DeepSpeed must not divide it
+    by the accumulation steps again (scale_wrt_gas=False); DeepSpeed averages gradients over
+    ranks, clips, and steps the optimizer and schedule at the accumulation boundary.
+    """
+
+    def __init__(self, model, cfg, device: torch.device, total_steps: int, ds_config: dict):
+        import deepspeed
+
+        from lora_tune.distributed import is_main
+
+        self.model = model
+        self.cfg = cfg
+        self.device = device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        optim = cfg.optim
+        if cfg.offload != "none" and optim != "adamw":
+            if is_main():
+                log.info("optimizer: %s can't run on offloaded states; using torch AdamW on the host partition instead (DeepSpeed's CPU Adam op is not built in this install)", optim)
+            optim = "adamw"
+        optimizer = build_optimizer(optim, self.params, cfg.lr, cfg.weight_decay)
+        scheduler = build_scheduler(cfg, optimizer, total_steps)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        self.scaler = None
+        self.autocast_dtype = None if cfg.precision == "fp32" else compute_dtype(cfg.precision)
+        self.pending = 0
+
+    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+        batch = self._to_device(batch)
+        self.ds.train()
+        with self._autocast():
+            out = self.ds(**batch, num_items_in_batch=num_label_tokens)
+        self.ds.backward(out.loss, scale_wrt_gas=False)
+        self.pending += 1
+        if self.pending < self.cfg.grad_accum:
+            self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step
+        return out.loss.detach().float()
+
+    def step(self) -> tuple[float, bool]:
+        self.ds.step()  # the boundary: reduce, clip, optimizer and scheduler step, zero grads
+        self.pending = 0
+        norm = self.ds.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        return grad_norm, math.isfinite(grad_norm)
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+        self.pending = 0
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> tuple[float, int]:
+        from lora_tune.data import label_tokens
+
+        self.ds.eval()
+        total, tokens = 0.0, 0
+        for batch in batches:
+            n = label_tokens(batch)
+            with self._autocast():
+                out = self.ds(**self._to_device(batch), num_items_in_batch=n)
+            total += float(out.loss) * n
+            tokens += n
+        self.ds.train()
+        return total, tokens
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        live = self.optimizer.state_dict()
+        saved = state["optimizer"]
+        for key, value in live.items():  # objects the safe format dropped: take the live ones
+            if key in saved and (saved[key] is None or type(saved[key]) is not type(value)) and not torch.is_tensor(value):
+                saved[key] = value
+        from lora_tune.distributed import world_size
+
+        # ZeRO takes the list of every rank's partition and picks its own by rank; each rank
+        # saved and reloads only its own, so the list holds that one at every index.
+        self.optimizer.load_state_dict([saved] * world_size())
+        self.scheduler.load_state_dict(state["scheduler"])

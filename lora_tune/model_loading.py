@@ -60,8 +60,9 @@ def has_safetensors(base_path: str) -> bool:
     return True  # hub ids: from_pretrained picks safetensors when the repo has them
 
 
-def load_base_model(base_path: str, precision: str, device: torch.device, trust_remote_code: bool = False, allow_bin: bool = False):
-    """The frozen base, on `device`, in `precision`; nothing trainable yet."""
+def load_base_model(base_path: str, precision: str, device: torch.device, trust_remote_code: bool = False, allow_bin: bool = False, partitioned: bool = False):
+    """The frozen base, on `device`, in `precision`; nothing trainable yet. `partitioned`: under
+    ZeRO-3, where DeepSpeed places each rank's partition itself (no device_map)."""
     from transformers import AutoModelForCausalLM
 
     if not allow_bin and not has_safetensors(base_path):
@@ -72,7 +73,8 @@ def load_base_model(base_path: str, precision: str, device: torch.device, trust_
         kwargs["quantization_config"] = quant
     # device_map puts each weight straight onto its device while loading, so the host never holds
     # a second copy (and bitsandbytes quantises shard by shard as the weights arrive).
-    kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
+    if not partitioned:
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
     except OSError as e:

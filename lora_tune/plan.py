@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -368,7 +369,8 @@ def setup_from(cfg) -> Setup:
                  micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len, gradient_checkpointing=cfg.gradient_checkpointing,
                  optim="adamw" if cfg.optim == "adamw" else "adamw_8bit",
                  zero=getattr(cfg, "zero", 0), offload=getattr(cfg, "offload", "none"),
-                 gpus=getattr(cfg, "gpus", 1), nodes=getattr(cfg, "nodes", 1))
+                 gpus=getattr(cfg, "gpus", None) or cfg.nproc or int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+                 nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
 def run(cfg) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +20,12 @@ import torch
 import yaml
 
 from lora_tune import checkpoint as ckpt
-from lora_tune.adapter import add_lora, load_adapter_weights, save_adapter
+from lora_tune import distributed as dist
+from lora_tune.adapter import add_lora, load_adapter_weights, save_adapter, trainable_state_dict
 from lora_tune.aliases import resolve_base
 from lora_tune.config import TrainConfig
 from lora_tune.data import PreparedData, collate, label_tokens, micro_batch_indices, prepare_data
-from lora_tune.engine import SingleDeviceEngine
+from lora_tune.engine import DeepSpeedEngine, SingleDeviceEngine
 from lora_tune.errors import UserError
 from lora_tune.metrics import MetricsLog, Progress, check_reporter, peak_memory_bytes
 from lora_tune.model_loading import load_base_model, load_tokenizer, pick_device
@@ -58,7 +60,7 @@ def total_steps(cfg: TrainConfig, n_samples: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
     per_epoch = math.ceil(n_samples / cfg.micro_batch_size)
-    return max(1, math.ceil(cfg.epochs * per_epoch / cfg.grad_accum))
+    return max(1, math.ceil(cfg.epochs * per_epoch / (cfg.grad_accum * dist.world_size())))
 
 
 def math_config(cfg: TrainConfig) -> dict:
@@ -143,8 +145,11 @@ class Recipe:
         self.cfg = cfg
         self.stop_signal: int | None = None
 
-    def setup(self) -> None:
+    def check_inputs(self) -> None:
+        """Everything about the user's input, before any weight is loaded (also run by the
+        `--nproc` launcher, so a bad input fails once, in one line, before processes start)."""
         cfg = self.cfg
+        dist.check_compatibility(cfg)
         check_reporter(cfg.report_to)
         self.output_dir, self.resume_from = check_output_dir(cfg)
         self.base_path = resolve_base(cfg.base)
@@ -154,29 +159,65 @@ class Recipe:
         log.info("data: %s format, %s; %d train / %d eval samples", self.data.format, self.data.stats.summary(), len(self.data.train), len(self.data.eval))
         saved_state = check_resume_compatible(cfg, self.data, self.resume_from) if self.resume_from else None
         self.total_steps = total_steps(cfg, len(self.data.train))
+        self.saved_state = saved_state
         self.device = pick_device()
         self.plan = preflight(cfg, self.device)
 
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.check_inputs()
         # Only now, with every input checked, the expensive part.
-        model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin)
+        dist.init(cfg)
+        self.ds_config = dist.deepspeed_config(cfg) if cfg.zero else None
+        if cfg.zero == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            # Must exist (and stay referenced) while from_pretrained runs: it makes transformers
+            # build the model under zero.Init, so each rank only ever holds its partition.
+            self.hf_deepspeed = HfDeepSpeedConfig(self.ds_config)
+        model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, partitioned=cfg.zero == 3)
+        if cfg.zero == 3:
+            local = sum(p.ds_tensor.numel() for p in model.parameters())
+            full = sum(p.ds_numel for p in model.parameters())
+            print(f"zero-3: rank {dist.rank()} holds {local:,} of {full:,} base parameters", file=sys.stderr, flush=True)
         self.model = add_lora(model, cfg, self.base_id)
-        self.engine = SingleDeviceEngine(self.model, cfg, self.device, self.total_steps)
         self.state = RunState()
-        if saved_state:
-            self._load_checkpoint(self.resume_from, saved_state)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "lora_tune_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        # On resume, metrics of steps after the checkpoint are dropped: those steps are redone.
-        self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if cfg.resume else None)
+        if self.saved_state:
+            self._load_adapter(self.resume_from)
+        if cfg.zero:
+            self.engine = DeepSpeedEngine(self.model, cfg, self.device, self.total_steps, self.ds_config)
+        else:
+            self.engine = SingleDeviceEngine(self.model, cfg, self.device, self.total_steps)
+        if self.saved_state:
+            self._load_training_state(self.resume_from, self.saved_state)
+        self.metrics = None
+        if dist.is_main():
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "lora_tune_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
+            # On resume, metrics of steps after the checkpoint are dropped: those steps are redone.
+            self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if cfg.resume else None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad)
         log.info("trainable parameters: %s; %d optimizer steps; device %s", f"{trainable:,}", self.total_steps, self.device)
 
     # --- checkpoints --------------------------------------------------------------------------
-    def _load_checkpoint(self, path: Path, saved_state: dict) -> None:
-        load_adapter_weights(self.model, path)
-        self.engine.load_state_dict(ckpt.load_torch_state(path / "training_state.pt"))
-        ckpt.load_rng(path / "rng_state.safetensors")
+    def _load_adapter(self, path: Path) -> None:
+        if self.cfg.zero == 3:
+            import deepspeed
+
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                load_adapter_weights(self.model, path)
+        else:
+            load_adapter_weights(self.model, path)
+
+    def _load_training_state(self, path: Path, saved_state: dict) -> None:
+        if self.cfg.zero:
+            self.engine.load_state_dict(dist.load_safe_state(path, f"training_state_rank{dist.rank()}"))
+            ckpt.load_rng(path / f"rng_state_rank{dist.rank()}.safetensors")
+        else:
+            self.engine.load_state_dict(ckpt.load_torch_state(path / "training_state.pt"))
+            ckpt.load_rng(path / "rng_state.safetensors")
         self.state = RunState(**{k: saved_state[k] for k in ("step", "tokens_seen", "bad_steps_in_a_row", "best_eval_loss")})
         log.info("resumed from %s (step %d)", path, self.state.step)
 
@@ -190,30 +231,69 @@ class Recipe:
             kept = f"{good.name} is intact" if good else "no earlier checkpoint exists"
             raise TrainingStopped(f"could not write checkpoint-{self.state.step} in {self.output_dir} ({e.strerror or e}); {kept}. Free space and rerun with --resume", 1, "error") from None
 
+    def adapter_state(self) -> dict:
+        """The LoRA weights, whole, on every rank: under ZeRO-3 only they are gathered (never the
+        base), so saving costs the adapter's size, not the model's."""
+        if self.cfg.zero == 3:
+            import deepspeed
+
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return trainable_state_dict(self.model)
+        return trainable_state_dict(self.model)
+
     def _write_checkpoint(self) -> Path:
-        with ckpt.CheckpointWriter(self.output_dir, self.state.step) as tmp:
-            save_adapter(self.model, tmp)
-            ckpt.save_torch_state(tmp / "training_state.pt", self.engine.state_dict())
-            ckpt.save_rng(tmp / "rng_state.safetensors")
-            ckpt.write_json(tmp / "trainer_state.json", {
-                "step": self.state.step,
-                "tokens_seen": self.state.tokens_seen,
-                "bad_steps_in_a_row": self.state.bad_steps_in_a_row,
-                "best_eval_loss": self.state.best_eval_loss,
-                "micro_batches_done": self.state.step * self.cfg.grad_accum,
-                "data_fingerprint": self.data.fingerprint,
-                "math_config": math_config(self.cfg),
-            })
-        removed = ckpt.rotate(self.output_dir, self.cfg.save_total_limit)
-        if removed:
-            log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
+        adapter = self.adapter_state()
+        writer = ckpt.CheckpointWriter(self.output_dir, self.state.step)
+        if not self.cfg.zero:
+            with writer as tmp:
+                save_adapter(self.model, tmp, adapter)
+                ckpt.save_torch_state(tmp / "training_state.pt", self.engine.state_dict())
+                ckpt.save_rng(tmp / "rng_state.safetensors")
+                self._write_trainer_state(tmp)
+        else:
+            # Rank 0 opens the folder, each rank writes its optimizer partition, rank 0 commits.
+            if dist.is_main():
+                writer.begin()
+            dist.barrier()
+            dist.save_safe_state(writer.tmp, f"training_state_rank{dist.rank()}", self.engine.state_dict())
+            ckpt.save_rng(writer.tmp / f"rng_state_rank{dist.rank()}.safetensors")
+            dist.barrier()
+            if dist.is_main():
+                try:
+                    save_adapter(self.model, writer.tmp, adapter)
+                    self._write_trainer_state(writer.tmp)
+                except BaseException:
+                    writer.abort()
+                    raise
+                writer.commit()
+            dist.barrier()
+        if dist.is_main():
+            removed = ckpt.rotate(self.output_dir, self.cfg.save_total_limit)
+            if removed:
+                log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
         return self.output_dir / f"checkpoint-{self.state.step}"
+
+    def _write_trainer_state(self, tmp: Path) -> None:
+        ckpt.write_json(tmp / "trainer_state.json", {
+            "step": self.state.step,
+            "tokens_seen": self.state.tokens_seen,
+            "bad_steps_in_a_row": self.state.bad_steps_in_a_row,
+            "best_eval_loss": self.state.best_eval_loss,
+            "micro_batches_done": self.state.step * self.cfg.grad_accum * dist.world_size(),
+            "world_size": dist.world_size(),
+            "data_fingerprint": self.data.fingerprint,
+            "math_config": math_config(self.cfg),
+        })
 
     # --- the loop ------------------------------------------------------------------------------
     def _step_batches(self, step: int) -> list[dict]:
+        """This rank's micro-batches of optimizer step `step`: the global micro-batch sequence is
+        dealt out round-robin, so N ranks together see what one process would, in order."""
+        world, rank = dist.world_size(), dist.rank()
         first = step * self.cfg.grad_accum
         return [
-            collate([self.data.train[i] for i in micro_batch_indices(len(self.data.train), self.cfg.micro_batch_size, self.cfg.seed, j)], self.pad_id)
+            collate([self.data.train[i] for i in micro_batch_indices(len(self.data.train), self.cfg.micro_batch_size, self.cfg.seed, j * world + rank)], self.pad_id)
             for j in range(first, first + self.cfg.grad_accum)
         ]
 
@@ -232,7 +312,7 @@ class Recipe:
     def train(self) -> None:
         cfg, state = self.cfg, self.state
         previous = {s: signal.signal(s, self._on_signal) for s in EXIT_SIGNAL}
-        progress = Progress(self.total_steps, state.step)
+        progress = Progress(self.total_steps, state.step) if dist.is_main() else None
         try:
             while state.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -247,18 +327,19 @@ class Recipe:
                 step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
                 state.tokens_seen += step_tokens
                 seconds = time.perf_counter() - t0
-                bad = not math.isfinite(loss) or (not applied and self.engine.scaler is None)
+                bad = dist.any_rank(not math.isfinite(loss) or (not applied and self.engine.scaler is None))
                 state.bad_steps_in_a_row = state.bad_steps_in_a_row + 1 if bad else 0
                 peak = peak_memory_bytes(self.device)
-                progress.update(loss, step_tokens / seconds, peak)
-                if bad or state.step % cfg.logging_steps == 0 or state.step == self.total_steps:
+                if progress:
+                    progress.update(loss, step_tokens / seconds, peak)
+                if self.metrics and (bad or state.step % cfg.logging_steps == 0 or state.step == self.total_steps):
                     self.metrics.write({
                         "step": state.step, "loss": loss, "lr": self.engine.lr, "grad_norm": grad_norm,
                         "tokens_per_s": step_tokens / seconds, "peak_memory_bytes": peak,
                         "tokens_seen": state.tokens_seen, "step_seconds": seconds, "skipped": not applied,
                     })
                 if self.data.eval and cfg.eval_steps and state.step % cfg.eval_steps == 0:
-                    self.metrics.write(self._evaluate())
+                    self._write_eval()
                 if state.bad_steps_in_a_row >= cfg.max_bad_steps:
                     good = ckpt.newest_complete(self.output_dir)
                     where = f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
@@ -266,12 +347,14 @@ class Recipe:
                 # No periodic save during a bad streak: the newest checkpoint stays the last good one.
                 if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < self.total_steps and not bad:
                     self.save_checkpoint()
-                if self.stop_signal is not None:
+                # All ranks agree to stop at the same step, whichever got the signal.
+                if dist.any_rank(self.stop_signal is not None):
                     path = self.save_checkpoint()
-                    name = signal.Signals(self.stop_signal).name
-                    raise TrainingStopped(f"stopped by {name} after step {state.step}; checkpoint saved to {path}. Continue with the same command plus --resume", EXIT_SIGNAL[self.stop_signal])
+                    signum = self.stop_signal or signal.SIGTERM
+                    raise TrainingStopped(f"stopped by {signal.Signals(signum).name} after step {state.step}; checkpoint saved to {path}. Continue with the same command plus --resume", EXIT_SIGNAL[signum])
         finally:
-            progress.close()
+            if progress:
+                progress.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
@@ -293,12 +376,20 @@ class Recipe:
         raise TrainingStopped("\n".join(lines), 1, "error")
 
     # --- save and cleanup ------------------------------------------------------------------------
+    def _write_eval(self) -> None:
+        result = self._evaluate()  # every rank: under ZeRO-3 the forward is collective
+        if self.metrics:
+            self.metrics.write(result)
+
     def save(self) -> None:
         if self.data.eval:
-            self.metrics.write(self._evaluate())
+            self._write_eval()
         self.save_checkpoint()  # a final checkpoint lets a later --resume extend the run
+        adapter = self.adapter_state()
+        if not dist.is_main():
+            return
         try:
-            save_adapter(self.model, self.output_dir)
+            save_adapter(self.model, self.output_dir, adapter)
         except OSError as e:
             raise TrainingStopped(f"could not write the final adapter to {self.output_dir} ({e.strerror or e}); checkpoint-{self.state.step} holds it. Free space and rerun with --resume", 1, "error") from None
         self.tokenizer.save_pretrained(str(self.output_dir))

@@ -1,0 +1,189 @@
+"""Everything that differs when a run spans several processes: the compatibility matrix, the
+torchrun launcher, the DeepSpeed config, rank helpers, and a pickle-free format for the ZeRO
+optimizer state.
+
+One rule holds throughout: rank 0 writes files and prints progress; every rank takes part in
+the collectives (gathering LoRA weights, barriers), so none waits for another forever.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from lora_tune.errors import UserError
+
+# The compatibility matrix: (precision, zero stage, offload) cells that run and are tested.
+# Everything else with ZeRO is refused before loading, with the reason.
+SUPPORTED = {(p, z, o) for p in ("fp32", "bf16") for z in (2, 3) for o in ("none", "cpu")}
+REFUSED = {
+    "8bit-3": "8-bit (LLM.int8) weights can't be partitioned by ZeRO-3 (no tool supports it: bitsandbytes #1249); use --precision 4bit or bf16",
+    "nvme": "--offload nvme needs DeepSpeed's async_io op, which this install has not built or tested; use --offload cpu",
+    "fp16": "fp16 under ZeRO needs DeepSpeed's loss scaler, not wired yet; use --precision bf16",
+    "quantized": "quantized bases under ZeRO are not tested yet; use --zero 0 (one device) or --precision bf16 with ZeRO",
+    "offload-0": "--offload needs ZeRO (--zero 2 or 3)",
+}
+
+
+def check_compatibility(cfg) -> None:
+    if cfg.zero == 0:
+        if cfg.offload != "none":
+            raise UserError(f"--offload {cfg.offload}: {REFUSED['offload-0']}")
+        return
+    if cfg.precision == "8bit" and cfg.zero == 3:
+        raise UserError(f"--precision 8bit with --zero 3: {REFUSED['8bit-3']}")
+    if cfg.offload == "nvme":
+        raise UserError(REFUSED["nvme"])
+    if cfg.precision == "fp16":
+        raise UserError(f"--precision fp16 with --zero {cfg.zero}: {REFUSED['fp16']}")
+    if cfg.precision in ("8bit", "4bit"):
+        raise UserError(f"--precision {cfg.precision} with --zero {cfg.zero}: {REFUSED['quantized']}")
+    assert (cfg.precision, cfg.zero, cfg.offload) in SUPPORTED
+    if cfg.zero_config and not Path(cfg.zero_config).is_file():
+        raise UserError(f"--zero-config: {cfg.zero_config} does not exist")
+
+
+# --- ranks ---------------------------------------------------------------------------------------
+def rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def launched() -> bool:
+    """True inside torchrun / deepspeed / accelerate launch (they all set LOCAL_RANK)."""
+    return "LOCAL_RANK" in os.environ
+
+
+def init(cfg) -> None:
+    if cfg.zero == 0 and world_size() == 1:
+        return
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def any_rank(flag: bool) -> bool:
+    """True if the flag is set on any rank: used so that all ranks stop at the same step."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def launch(argv: list[str], nproc: int) -> int:
+    """Re-run this very command under torchrun with N local processes; returns its exit code."""
+    args, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if not a.startswith("--nproc="):
+            args.append(a)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "lora_tune", *args]
+    return subprocess.call(cmd)
+
+
+# --- DeepSpeed config ---------------------------------------------------------------------------
+def deepspeed_config(cfg) -> dict:
+    config = json.loads(Path(cfg.zero_config).read_text()) if cfg.zero_config else {}
+    zero = dict(config.get("zero_optimization", {}))
+    zero["stage"] = cfg.zero
+    if cfg.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", **zero.get("offload_optimizer", {})}
+        if cfg.zero == 3:
+            zero["offload_param"] = {"device": "cpu", **zero.get("offload_param", {})}
+    config["zero_optimization"] = zero
+    # Explicit numbers: DeepSpeed's "auto" fill miscounts the world size on CPU.
+    config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    config["gradient_accumulation_steps"] = cfg.grad_accum
+    config["train_batch_size"] = cfg.micro_batch_size * cfg.grad_accum * world_size()
+    config["gradient_clipping"] = cfg.max_grad_norm
+    # LoRA weights are fp32 already and autocast runs the compute dtype, so DeepSpeed keeps no
+    # extra master copy and needs no loss scaler.
+    config["bf16"] = {"enabled": False}
+    config["fp16"] = {"enabled": False}
+    config["zero_allow_untested_optimizer"] = True
+    config["zero_force_ds_cpu_optimizer"] = False
+    config.setdefault("steps_per_print", 10**9)
+    return config
+
+
+# --- pickle-free optimizer state -------------------------------------------------------------------
+def to_safe(obj, tensors: dict, path: str = "s"):
+    """JSON-able skeleton with tensors pulled out (saved with safetensors). DeepSpeed's state holds
+    two objects: the ZeRO stage enum (kept as its int) and the loss scaler (static for our fp32
+    LoRA states, so dropped and taken from the live optimizer on load)."""
+    from enum import Enum
+
+    if torch.is_tensor(obj):
+        tensors[path] = obj.detach().cpu().contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {"__dict__": [[to_safe(k, tensors, f"{path}.k{i}"), to_safe(v, tensors, f"{path}.{i}")] for i, (k, v) in enumerate(obj.items())]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__": [to_safe(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return {"__dropped__": type(obj).__name__}
+
+
+def from_safe(obj, tensors: dict):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {from_safe(k, tensors): from_safe(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            items = [from_safe(v, tensors) for v in obj["__list__"]]
+            return tuple(items) if obj["tuple"] else items
+        if "__dropped__" in obj:
+            return None
+    return obj
+
+
+def save_safe_state(folder: Path, name: str, state) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    skeleton = to_safe(state, tensors)
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def load_safe_state(folder: Path, name: str):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(folder / f"{name}.safetensors"))
+        skeleton = json.loads((folder / f"{name}.json").read_text())
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{folder / name}.* is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+    return from_safe(skeleton, tensors)
