@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> int:
             from lora_tune.train import Recipe, TrainingStopped, run
 
             cfg = config_from_args(TrainConfig, args)
-            if cfg.nproc and not distributed.launched():
+            if (cfg.nproc or cfg.zero) and not distributed.launched():
                 # Validate once here, in one line, before starting N processes that would each fail.
                 Recipe(cfg).check_inputs()
-                return distributed.launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc)
+                return distributed.launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc or 1)
             try:
                 run(cfg)
             except TrainingStopped as stop:

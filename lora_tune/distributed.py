@@ -105,7 +105,18 @@ def launch(argv: list[str], nproc: int) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "lora_tune", *args]
-    return subprocess.call(cmd)
+    child = subprocess.Popen(cmd)
+    # Pass SIGTERM / SIGINT on: torchrun forwards them to every rank, which finish the step,
+    # agree to stop, checkpoint and exit; the launcher waits for that instead of orphaning them.
+    import signal
+
+    forward = lambda signum, frame: child.send_signal(signum)  # noqa: E731
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 # --- DeepSpeed config ---------------------------------------------------------------------------

@@ -32,6 +32,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from lora_tune.distributed import SUPPORTED, check_compatibility
 from lora_tune.errors import UserError
 
 GIB = 2**30
@@ -281,10 +282,10 @@ def candidates(base: Setup):
             for offload in ("none", "cpu", "nvme"):
                 if (offload != "none" and zero == 0) or (base.world == 1 and zero and offload == "none"):
                     continue
+                if zero and (precision, zero, offload) not in SUPPORTED:
+                    continue  # only setups `train` runs (the compatibility matrix), so the command is exact
                 for ckpt in (False, True):
                     for mbs in (1, 2, 4, 8, 16):
-                        if precision == "8bit" and zero == 3:
-                            continue  # refused by the compatibility matrix (no tool supports it)
                         yield replace(base, precision=precision, zero=zero, offload=offload, gradient_checkpointing=ckpt, micro_batch_size=mbs)
 
 
@@ -349,7 +350,12 @@ def train_command(base: str, setup: Setup) -> str:
              f"--micro-batch-size {setup.micro_batch_size}", f"--max-seq-len {setup.max_seq_len}", f"--optim {setup.optim}",
              "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing"]
     if setup.zero:
-        parts += [f"--zero {setup.zero}", f"--offload {setup.offload}", f"--nproc {setup.gpus}"]
+        parts += [f"--zero {setup.zero}", f"--offload {setup.offload}"]
+    if setup.nodes > 1:  # one torchrun per node; see the README's multi-node example
+        launcher = f"torchrun --nnodes {setup.nodes} --nproc-per-node {setup.gpus} --node-rank RANK --master-addr HOST --master-port 29500 -m lora_tune train"
+        return " ".join([launcher, *parts[1:]]) + " --data FILE --output-dir DIR"
+    if setup.gpus > 1:
+        parts.append(f"--nproc {setup.gpus}")
     return " ".join(parts) + " --data FILE --output-dir DIR"
 
 
@@ -377,10 +383,8 @@ def run(cfg) -> int:
     """The `lora-tune plan` command; prints a table (or JSON) and returns the exit code."""
     from lora_tune.config import parse_size
 
-    if cfg.zero == 3 and cfg.precision == "8bit":
-        raise UserError("--precision 8bit with --zero 3 is not supported (bitsandbytes int8 weights can't be partitioned); use --precision 4bit or bf16")
-    if cfg.offload != "none" and cfg.zero == 0:
-        raise UserError(f"--offload {cfg.offload} needs --zero 2 or 3")
+    # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
+    check_compatibility(cfg)
     arch = load_architecture(cfg.base)
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
@@ -401,8 +405,6 @@ def run(cfg) -> int:
         print(f"fastest setup that fits (relative speed {relative_speed(best):.2f}):")
         print(table(est, best, gpu_bytes, cpu_bytes))
         print("\n" + train_command(cfg.base, best))
-        if best.zero or best.world > 1:
-            print("note: `train` runs on one device for now; --zero/--offload/--nproc arrive with DeepSpeed support")
         return 0
     est = estimate(arch, setup)
     ok = fits(est, gpu_bytes, cpu_bytes)

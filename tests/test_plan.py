@@ -175,7 +175,7 @@ def test_plan_accepts_a_training_config(capsys):
     (["--base", "llama-7b"], "did you mean"),
     (["--base", "llama-8b", "--gpu-memory", "huge"], "--gpu-memory"),
     (["--base", "llama-8b", "--precision", "8bit", "--zero", "3"], "8bit with --zero 3"),
-    (["--base", "llama-8b", "--offload", "cpu"], "needs --zero 2 or 3"),
+    (["--base", "llama-8b", "--offload", "cpu"], "--offload needs ZeRO"),
     (["--base", "llama-8b", "--gpus", "0"], "--gpus"),
     (["--base", "/no/such/model"], "does not exist"),
 ])
@@ -240,3 +240,22 @@ def test_readme_plan_tables_are_what_plan_computes():
     assert len(rows) == 8
     for line in rows:
         assert line in readme, line
+
+
+@pytest.mark.parametrize("argv", [
+    ["--base", "llama-70b", "--gpu-memory", "t4"],
+    ["--base", "llama-70b", "--gpu-memory", "a100-40", "--gpus", "8"],
+    ["--base", "llama-8b", "--gpu-memory", "rtx4090"],
+])
+def test_auto_commands_are_exact_train_commands(argv, capsys):
+    """What --auto prints must be accepted by `train` as it is (flags and compatibility matrix)."""
+    import shlex
+
+    from lora_tune.cli import build_parser, config_from_args
+    from lora_tune.distributed import check_compatibility
+
+    command = plan_json(capsys, *argv, "--auto")["recommended"]["command"]
+    words = shlex.split(command.replace("FILE", "data.jsonl").replace("DIR", "out"))
+    assert words[:2] == ["lora-tune", "train"]
+    cfg = config_from_args(TrainConfig, build_parser().parse_args(words[1:]))
+    check_compatibility(cfg)

@@ -1,0 +1,112 @@
+"""ZeRO-2 / ZeRO-3 through the real CLI: 2 processes, gloo, CPU."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import fast_train_args, run_cli, run_cli_subprocess, single_error_line
+
+pytest.importorskip("deepspeed")
+
+ZERO_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2, nproc=2)
+
+
+def train(tiny_model, data, out, **kw):
+    proc = run_cli_subprocess(fast_train_args(tiny_model, data, out, **{**ZERO_ARGS, **kw}), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_zero2_saves_a_non_empty_adapter_that_merges_to_base_plus_adapter(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "z2"
+    train(tiny_model, data_files["alpaca"], out, zero=2, lr=5e-2)
+    tensors = load_file(str(out / "adapter_model.safetensors"))
+    assert len(tensors) == 28 and all(t.numel() > 0 for t in tensors.values())
+    assert all(t.abs().max() > 0 for k, t in tensors.items() if "lora_B" in k)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    code, _, err = run_cli(["merge", "--adapter", out, "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
+    assert code == 0 and "verified: drift" in err
+
+
+def test_zero3_offload_loads_partitioned_saves_and_resumes_exactly(tiny_model, data_files, tmp_path):
+    full = tmp_path / "full"
+    proc = train(tiny_model, data_files["alpaca"], full, zero=3, offload="cpu", precision="bf16", dropout=0.1, optim="adamw_8bit")
+    # Each rank held only its partition of the base while loading (zero.Init), never the whole.
+    holds = [line for line in proc.stderr.splitlines() if line.startswith("zero-3: rank")]
+    assert len(holds) == 2
+    for line in holds:
+        local, total = (int(x.replace(",", "")) for x in line.split(" holds ")[1].split(" base")[0].split(" of "))
+        assert 0 < local < total
+    assert "torch AdamW on the host partition" in proc.stderr  # 8-bit AdamW can't run offloaded: said in the log
+    tensors = load_file(str(full / "adapter_model.safetensors"))
+    config = json.loads((full / "adapter_config.json").read_text())
+    assert all(t.shape[0 if "lora_A" in k else 1] == config["r"] for k, t in tensors.items())
+
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copytree(full / "checkpoint-2", stopped / "checkpoint-2")
+    shutil.copy(full / "lora_tune_config.yaml", stopped)
+    proc = train(tiny_model, data_files["alpaca"], stopped, zero=3, offload="cpu", precision="bf16", dropout=0.1, optim="adamw_8bit", resume=True)
+    assert "resumed from" in proc.stderr
+    resumed = load_file(str(stopped / "adapter_model.safetensors"))
+    for k in tensors:
+        assert torch.equal(tensors[k], resumed[k]), k
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (dict(offload="cpu"), "--offload needs ZeRO"),
+    (dict(zero=3, offload="nvme"), "async_io"),
+    (dict(zero=3, precision="8bit"), "can't be partitioned by ZeRO-3"),
+    (dict(zero=2, precision="fp16"), "loss scaler"),
+    (dict(zero=2, precision="4bit"), "quantized bases under ZeRO"),
+    (dict(zero=3, zero_config="/no/such.json"), "does not exist"),
+])
+def test_refused_cells_of_the_compatibility_matrix(overrides, expected, tiny_model, data_files, tmp_path, capsys):
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "out", **overrides), capsys)
+    assert code == 2 and expected in single_error_line(err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json"])
+def test_shipped_deepspeed_configs_are_taken_with_our_batch_numbers(name):
+    from lora_tune.config import TrainConfig
+    from lora_tune.distributed import check_compatibility, deepspeed_config
+
+    path = Path(__file__).resolve().parent.parent / "configs" / "deepspeed" / name
+    stage = json.loads(path.read_text())["zero_optimization"]["stage"]
+    cfg = TrainConfig(base="b", data="d", output_dir="o", precision="bf16", zero=stage, zero_config=str(path), micro_batch_size=3, grad_accum=5)
+    check_compatibility(cfg)
+    ds = deepspeed_config(cfg)
+    assert ds["zero_optimization"]["stage"] == stage and ds["train_micro_batch_size_per_gpu"] == 3 and ds["gradient_accumulation_steps"] == 5
+    assert ds["zero_optimization"].get("reduce_bucket_size") == 500000000
+
+
+def test_sigterm_stops_every_rank_at_the_same_step_with_a_checkpoint(tiny_model, data_files, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "term"
+    args = fast_train_args(tiny_model, data_files["alpaca"], out, **{**ZERO_ARGS, "max_steps": 400, "save_steps": 1000, "zero": 2})
+    proc = subprocess.Popen([sys.executable, "-m", "lora_tune", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0
+    assert "stopped by SIGTERM after step" in err, err[-3000:]
+    steps = {int(line.split("after step ")[1].split(";")[0]) for line in err.splitlines() if "stopped by SIGTERM after step" in line}
+    assert len(steps) == 1, f"ranks stopped at different steps: {steps}"
+    step = steps.pop()
+    ckpt = out / f"checkpoint-{step}"
+    assert (ckpt / "COMPLETE").is_file() and (ckpt / "training_state_rank1.safetensors").is_file()
