@@ -266,34 +266,27 @@ def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code
     return relative_drift(got, want)
 
 
-class _OneLinear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.proj = linear
+def unmerged_forward(x: torch.Tensor, base_w: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool) -> torch.Tensor:
+    """What base + adapter compute for input x, the way the unmerged LoRA layer computes it
+    (activations through A then B, never the merged weight): the independent reference the
+    merged weight must reproduce. DoRA follows peft's DoraLinearLayer: the magnitude over the
+    row norm of the unmerged W + scale * BA, applied to base output plus LoRA output."""
+    w = (base_w.T if fan_in_fan_out else base_w).float()  # (out, in)
+    a, b = lora.a.float(), lora.b.float()
+    base_out = x @ w.T
+    lora_out = (x @ a.T) @ b.T * lora.scale
+    if lora.magnitude is None:
+        return base_out + lora_out
+    norm = torch.linalg.norm(w + lora.scale * (b @ a), dim=1)
+    return (lora.magnitude.float() / norm) * (base_out + lora_out)
 
-    def forward(self, x):
-        return self.proj(x)
 
-
-def verify_layer(name: str, base_w: torch.Tensor, merged_w: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, config: dict) -> float:
-    """One layer: the merged weight (as written) vs peft's own LoRA layer around the base weight."""
-    from peft import LoraConfig, get_peft_model
-
-    out_f, in_f = (base_w.shape[1], base_w.shape[0]) if fan_in_fan_out else base_w.shape
-    linear = torch.nn.Linear(in_f, out_f, bias=False)
-    linear.weight.data = (base_w.T if fan_in_fan_out else base_w).float().contiguous()
-    r = lora.a.shape[0]
-    alpha = lora.scale * (math.sqrt(r) if config.get("use_rslora") else r)
-    peft_cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["proj"], use_rslora=bool(config.get("use_rslora")), use_dora=lora.magnitude is not None)
-    model = get_peft_model(_OneLinear(linear), peft_cfg).eval()
-    layer = model.base_model.model.proj
-    layer.lora_A["default"].weight.data = lora.a.float()
-    layer.lora_B["default"].weight.data = lora.b.float()
-    if lora.magnitude is not None:
-        layer.lora_magnitude_vector["default"].weight.data = lora.magnitude.float()
+def verify_layer(name: str, base_w: torch.Tensor, merged_w: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool) -> float:
+    """One layer: the merged weight (as written, in the output dtype) vs the unmerged forward."""
+    in_f = base_w.shape[0] if fan_in_fan_out else base_w.shape[1]
     x = torch.randn(4, in_f, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = model(x)
+        want = unmerged_forward(x, base_w, lora, fan_in_fan_out)
         w = merged_w.float()
         got = x @ (w if fan_in_fan_out else w.T)
     return relative_drift(got, want)
@@ -302,11 +295,11 @@ def verify_layer(name: str, base_w: torch.Tensor, merged_w: torch.Tensor, lora: 
 class TensorMerger:
     """Produces each output tensor on demand: read it from its base shard, merge in fp32 when the
     adapter touches it, check it is finite, cast once. Sampled LoRA layers are verified on the
-    spot against peft's own layer, so no tensor outlives its turn."""
+    spot against the unmerged LoRA forward, so no tensor outlives its turn."""
 
-    def __init__(self, modules, replacements, fan_in_fan_out: bool, dtype: torch.dtype, adapter_config: dict, verify: bool):
+    def __init__(self, modules, replacements, fan_in_fan_out: bool, dtype: torch.dtype, verify: bool):
         self.modules, self.replacements = modules, replacements
-        self.fan_in_fan_out, self.dtype, self.adapter_config = fan_in_fan_out, dtype, adapter_config
+        self.fan_in_fan_out, self.dtype = fan_in_fan_out, dtype
         self.verify_every = max(1, len(modules) // VERIFY_LAYERS) if verify else 0
         self.layer_drifts: list[float] = []
         self.merged = 0
@@ -341,7 +334,7 @@ class TensorMerger:
             result = result.to(self.dtype)  # the one cast
         if lora is not None:
             if self.verify_every and self.merged % self.verify_every == 0:
-                self.layer_drifts.append(verify_layer(t.name, tensor, result, lora, self.fan_in_fan_out, self.adapter_config))
+                self.layer_drifts.append(verify_layer(t.name, tensor, result, lora, self.fan_in_fan_out))
             self.merged += 1
         return result
 
@@ -382,7 +375,7 @@ def run(cfg: MergeConfig) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     t0 = time.perf_counter()
-    merger = TensorMerger(modules, replacements, fan_in_fan_out, dtype, config, cfg.verify)
+    merger = TensorMerger(modules, replacements, fan_in_fan_out, dtype, cfg.verify)
     n_params = sum(math.prod(t.shape) for group in groups for t in group)
     try:
         names = shard_names(len(groups))
@@ -395,7 +388,7 @@ def run(cfg: MergeConfig) -> Path:
         log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, len(modules), time.perf_counter() - t0)
         if cfg.verify:
             drift = max(merger.layer_drifts, default=0.0)
-            log.info("verify: %d sampled layers vs peft's LoRA layer: max relative drift %.2e", len(merger.layer_drifts), drift)
+            log.info("verify: %d sampled layers vs the unmerged LoRA forward: max relative drift %.2e", len(merger.layer_drifts), drift)
             if n_params <= FULL_CHECK_MAX_PARAMS:
                 logits_drift = verify_logits(base, adapter_dir, tmp, cfg.trust_remote_code)
                 log.info("verify: whole-model logits vs base + adapter (peft): relative drift %.2e", logits_drift)

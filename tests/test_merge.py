@@ -188,3 +188,23 @@ def test_merge_errors(adapters, tiny_model, tmp_path, capsys):
         assert code == 2, (argv, err)
         assert expected in single_error_line(err), (argv, err)
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
+
+
+@pytest.mark.parametrize("flavour", ["fp32", "rslora", "dora"])
+def test_layer_verification_reference_equals_peft_layer(flavour, adapters, tiny_model):
+    """The merge verifies against its own unmerged forward; that reference must be peft's."""
+    from peft import PeftModel
+    from safetensors.torch import load_file as load
+    from transformers import AutoModelForCausalLM
+
+    from lora_tune.merge import lora_modules, unmerged_forward
+
+    config = json.loads((adapters[flavour] / "adapter_config.json").read_text())
+    modules, _ = lora_modules(config, load(str(adapters[flavour] / "adapter_model.safetensors")))
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapters[flavour]).eval()
+    base = load(str(tiny_model / "model.safetensors"))
+    name = "model.layers.1.mlp.down_proj.weight"
+    layer = model.get_submodule("base_model.model." + name.removesuffix(".weight"))
+    x = torch.randn(3, base[name].shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(unmerged_forward(x, base[name], modules[name], False), layer(x), rtol=1e-5, atol=1e-6)
