@@ -68,6 +68,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tiny_model, data
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed_at.append(metrics_lines(out))
+    print(f"SIGKILLed {len(killed_at)} times, after {killed_at} metric lines")
     assert len(killed_at) >= 2, f"the run finished before being killed: {killed_at}"
     final = run_cli_subprocess(fast_train_args(tiny_model, data_files["alpaca"], out, resume=True, **KILL_ARGS))
     assert final.returncode == 0, final.stderr[-2000:]
