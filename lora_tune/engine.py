@@ -53,6 +53,7 @@ class SingleDeviceEngine:
         # fp16 has a narrow exponent range: scale the loss so small gradients don't flush to zero.
         self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
         self.autocast_dtype = None if cfg.precision == "fp32" else compute_dtype(cfg.precision)
+        self.forward_module = model  # what runs forward: the model here, DeepSpeed's engine there
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -109,15 +110,16 @@ class SingleDeviceEngine:
         """(summed token loss, label tokens) over the given batches."""
         from lora_tune.data import label_tokens
 
-        self.model.eval()
+        module = self.forward_module
+        module.eval()
         total, tokens = 0.0, 0
         for batch in batches:
             n = label_tokens(batch)
             with self._autocast():
-                out = self.model(**self._to_device(batch), num_items_in_batch=n)
+                out = module(**self._to_device(batch), num_items_in_batch=n)
             total += float(out.loss) * n
             tokens += n
-        self.model.train()
+        module.train()
         return total, tokens
 
     # --- checkpoint state -------------------------------------------------------------------
@@ -163,6 +165,7 @@ class DeepSpeedEngine(SingleDeviceEngine):
         self.scaler = None
         self.autocast_dtype = None if cfg.precision == "fp32" else compute_dtype(cfg.precision)
         self.pending = 0
+        self.forward_module = self.ds
 
     def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
         batch = self._to_device(batch)
@@ -185,21 +188,6 @@ class DeepSpeedEngine(SingleDeviceEngine):
     def zero_grad(self) -> None:
         self.ds.zero_grad()
         self.pending = 0
-
-    @torch.no_grad()
-    def evaluate(self, batches) -> tuple[float, int]:
-        from lora_tune.data import label_tokens
-
-        self.ds.eval()
-        total, tokens = 0.0, 0
-        for batch in batches:
-            n = label_tokens(batch)
-            with self._autocast():
-                out = self.ds(**self._to_device(batch), num_items_in_batch=n)
-            total += float(out.loss) * n
-            tokens += n
-        self.ds.train()
-        return total, tokens
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
