@@ -104,6 +104,8 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
 
     from safetensors.torch import save_file
 
+    from lora_tune.checkpoint import fsync_path
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     lora_cfg = peft_model.peft_config["default"]
@@ -111,10 +113,10 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     check_adapter_state(state, lora_cfg)
     tmp_weights = out / f".adapter_model.safetensors.tmp-{os.getpid()}"
     save_file(state, str(tmp_weights), metadata={"format": "pt"})
-    _fsync(tmp_weights)
+    fsync_path(tmp_weights)
     tmp_config_dir = out / f".adapter_config.tmp-{os.getpid()}"
     lora_cfg.save_pretrained(str(tmp_config_dir))
-    _fsync(tmp_config_dir / "adapter_config.json")
+    fsync_path(tmp_config_dir / "adapter_config.json")
     os.replace(tmp_weights, out / "adapter_model.safetensors")
     os.replace(tmp_config_dir / "adapter_config.json", out / "adapter_config.json")
     tmp_config_dir.rmdir()
@@ -134,13 +136,3 @@ def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:
     result = set_peft_model_state_dict(peft_model, state)
     if getattr(result, "unexpected_keys", None):
         raise UserError(f"{path} does not match this LoRA configuration (unexpected: {result.unexpected_keys[:3]})")
-
-
-def _fsync(path: Path) -> None:
-    import os
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -26,7 +26,8 @@ MARKER = "COMPLETE"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file (or a folder's entries) to disk: a rename is only durable after both."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -34,15 +35,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fsync_dir(path: Path) -> None:
+    fsync_path(path)
+
+
 def fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(path)
+            fsync_path(p)
+    fsync_path(path)
 
 
 def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:

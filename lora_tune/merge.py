@@ -102,7 +102,7 @@ def lora_modules(config: dict, weights: dict[str, torch.Tensor]) -> tuple[dict[s
     return modules, replacements
 
 
-def base_folder(base: str, trust_remote_code: bool) -> Path:
+def base_folder(base: str) -> Path:
     """A local folder holding the base's safetensors (downloaded from the hub when an id)."""
     from lora_tune.aliases import resolve_base
 
@@ -366,7 +366,7 @@ def run(cfg: MergeConfig) -> Path:
     base_ref = cfg.base or config.get("base_model_name_or_path")
     if not base_ref:
         raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
-    base = base_folder(base_ref, cfg.trust_remote_code)
+    base = base_folder(base_ref)
     modules, replacements = lora_modules(config, weights)
     fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     dtype = OUT_DTYPE[cfg.dtype]
