@@ -19,32 +19,44 @@ import torch
 
 from lora_tune.errors import UserError
 
-# The compatibility matrix: (precision, zero stage, offload) cells that run and are tested.
-# Everything else with ZeRO is refused before loading, with the reason.
-SUPPORTED = {(p, z, o) for p in ("fp32", "bf16") for z in (2, 3) for o in ("none", "cpu")}
-REFUSED = {
-    "8bit-3": "8-bit (LLM.int8) weights can't be partitioned by ZeRO-3 (no tool supports it: bitsandbytes #1249); use --precision 4bit or bf16",
-    "nvme": "--offload nvme needs DeepSpeed's async_io op, which this install has not built or tested; use --offload cpu",
-    "fp16": "fp16 under ZeRO needs DeepSpeed's loss scaler, not wired yet; use --precision bf16",
-    "quantized": "quantized bases under ZeRO are not tested yet; use --zero 0 (one device) or --precision bf16 with ZeRO",
-    "offload-0": "--offload needs ZeRO (--zero 2 or 3)",
-}
+# The compatibility matrix: precision x ZeRO stage x offload. `refusal` is its one source: a cell
+# either runs (and the test suite exercises it) or is refused before loading, with the reason.
+PRECISIONS = ("fp32", "bf16", "fp16", "8bit", "4bit")
+OFFLOADS = ("none", "cpu", "nvme")
 
 
-def check_compatibility(cfg) -> None:
-    if cfg.zero == 0:
-        if cfg.offload != "none":
-            raise UserError(f"--offload {cfg.offload}: {REFUSED['offload-0']}")
+def refusal(precision: str, zero: int, offload: str) -> str | None:
+    """Why this cell is refused, or None when it runs."""
+    if zero == 0:
+        return None if offload == "none" else "--offload needs ZeRO (--zero 2 or 3)"
+    if precision == "fp16":
+        # DeepSpeed's fp16 mode casts the LoRA weights to fp16 under a loss scaler of its own; its
+        # CPU backend has no fp16, so that path can't be tested here and is not offered.
+        return "fp16 under ZeRO needs DeepSpeed's own loss scaler, which is not wired (untestable without a GPU); use --precision bf16 (Ampere or newer) or --zero 0"
+    if precision == "8bit" and zero == 3:
+        # Tried: DeepSpeed does partition the int8 data, but bitsandbytes keeps the whole matrix
+        # referenced as weight.CB, so every rank still holds the full base and nothing is saved.
+        return "8-bit (LLM.int8) weights can't be partitioned by ZeRO-3: bitsandbytes keeps each whole int8 matrix on every rank (weight.CB; bitsandbytes #1249); use --precision 4bit or bf16 with --zero 3, or 8bit with --zero 2"
+    if offload == "nvme":
+        # Tried with DeepSpeed 0.19 (libaio built): swapping parameters fails mid-forward ("Not
+        # enough buffers", DeepSpeed #3062); swapping only optimizer states trains, but its
+        # state_dict holds empty tensors for them and its loader reads swap files it has just
+        # purged, so such a run could never resume.
+        return "DeepSpeed's NVMe swapping can't checkpoint and resume a LoRA run (swapped optimizer states don't reload; parameter swapping fails, DeepSpeed #3062); use --offload cpu"
+    return None
+
+
+SUPPORTED = {(p, z, o) for p in PRECISIONS for z in (2, 3) for o in OFFLOADS if refusal(p, z, o) is None}
+
+
+def check_compatibility(cfg, paths: bool = True) -> None:
+    """The matrix cell, then (for `train`, not `plan`) the files and folders it needs."""
+    reason = refusal(cfg.precision, cfg.zero, cfg.offload)
+    if reason:
+        cell = f"--offload {cfg.offload}" if cfg.zero == 0 else f"--precision {cfg.precision} with --zero {cfg.zero}" + (f" --offload {cfg.offload}" if cfg.offload != "none" else "")
+        raise UserError(f"{cell}: {reason}")
+    if not paths:
         return
-    if cfg.precision == "8bit" and cfg.zero == 3:
-        raise UserError(f"--precision 8bit with --zero 3: {REFUSED['8bit-3']}")
-    if cfg.offload == "nvme":
-        raise UserError(REFUSED["nvme"])
-    if cfg.precision == "fp16":
-        raise UserError(f"--precision fp16 with --zero {cfg.zero}: {REFUSED['fp16']}")
-    if cfg.precision in ("8bit", "4bit"):
-        raise UserError(f"--precision {cfg.precision} with --zero {cfg.zero}: {REFUSED['quantized']}")
-    assert (cfg.precision, cfg.zero, cfg.offload) in SUPPORTED
     if cfg.zero_config and not Path(cfg.zero_config).is_file():
         raise UserError(f"--zero-config: {cfg.zero_config} does not exist")
 
@@ -87,6 +99,15 @@ def any_rank(flag: bool) -> bool:
     t = torch.tensor([1 if flag else 0])
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
+
+
+def token_weighted_mean(value: float, tokens: int) -> float:
+    """The mean over every rank's label tokens of a per-rank token mean (itself on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    t = torch.tensor([value * tokens, float(tokens)], dtype=torch.float64)
+    torch.distributed.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] > 0 else value
 
 
 def launch(argv: list[str], nproc: int) -> int:
@@ -139,9 +160,24 @@ def deepspeed_config(cfg) -> dict:
     config["bf16"] = {"enabled": False}
     config["fp16"] = {"enabled": False}
     config["zero_allow_untested_optimizer"] = True
-    config["zero_force_ds_cpu_optimizer"] = False
     config.setdefault("steps_per_print", 10**9)
     return config
+
+
+def partition_report(model) -> str:
+    """What this rank holds of the frozen base after ZeRO-3 partitioned it (quantized bases count
+    their packed storage elements)."""
+    base = [p for p in model.parameters() if not p.requires_grad]
+    local = sum(p.ds_tensor.ds_numel for p in base)
+    full = sum(p.ds_numel for p in base)
+    return f"zero-3: rank {rank()} holds {local:,} of {full:,} base parameters"
+
+
+def hf_deepspeed_config(ds_config: dict):
+    """Tell transformers (and peft) that ZeRO-3 is on; the object must stay referenced."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
 
 
 # --- pickle-free optimizer state -------------------------------------------------------------------

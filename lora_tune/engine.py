@@ -154,12 +154,18 @@ class DeepSpeedEngine(SingleDeviceEngine):
         self.cfg = cfg
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
-        optim = cfg.optim
-        if cfg.offload != "none" and optim != "adamw":
+        if cfg.offload != "none":
+            # Offloaded optimizer states live in host RAM (or swap to NVMe) and are stepped there:
+            # bitsandbytes' 8-bit AdamW only runs where the states are on the device, so DeepSpeed's
+            # vectorised CPU Adam (AdamW mode) does it; its op is compiled on first use and cached.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
             if is_main():
-                log.info("optimizer: %s can't run on offloaded states; using torch AdamW on the host partition instead (DeepSpeed's CPU Adam op is not built in this install)", optim)
-            optim = "adamw"
-        optimizer = build_optimizer(optim, self.params, cfg.lr, cfg.weight_decay)
+                instead = "" if cfg.optim == "adamw" else f" ({cfg.optim} can't run on offloaded states)"
+                log.info("optimizer: DeepSpeed's CPU Adam (AdamW mode) steps the offloaded states on the host%s", instead)
+            optimizer = DeepSpeedCPUAdam(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
+        else:
+            optimizer = build_optimizer(cfg.optim, self.params, cfg.lr, cfg.weight_decay)
         scheduler = build_scheduler(cfg, optimizer, total_steps)
         self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
         self.scaler = None
@@ -204,3 +210,23 @@ class DeepSpeedEngine(SingleDeviceEngine):
         # saved and reloads only its own, so the list holds that one at every index.
         self.optimizer.load_state_dict([saved] * world_size())
         self.scheduler.load_state_dict(state["scheduler"])
+        replay_cpu_adam_steps(self.optimizer.optimizer)
+
+
+def replay_cpu_adam_steps(optimizer) -> None:
+    """Make a resumed DeepSpeed CPU Adam continue bit for bit.
+
+    Its C++ side keeps beta^t and advances it by one multiplication per step; a fresh optimizer
+    loaded at step k would compute pow(beta, k + 1) instead, which differs in the last bits. Replaying
+    the k multiplications on a one-element scratch tensor restores the exact value.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        return
+    steps = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    scratch = [torch.zeros(1) for _ in range(4)]  # weight, grad, exp_avg, exp_avg_sq
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"], *scratch)

@@ -22,6 +22,8 @@ Everything is computed from config.json alone (shipped for aliases), never from 
   and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
 * ZeRO-2 divides gradients and optimizer states by the world size, ZeRO-3 also the weights (plus
   one gathered layer); offload moves optimizer states (ZeRO-3: also weights) to host RAM or NVMe.
+  Quantized bases under ZeRO-3 load whole on each device before being partitioned: that
+  loading peak counts too.
 """
 
 from __future__ import annotations
@@ -253,6 +255,10 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
         "activations_bytes": peak_act, "logits_bytes": peak_logits, "overhead_bytes": overhead,
     }
     per_device["total_bytes"] = sum(per_device.values())
+    if setup.zero == 3 and setup.precision in ("8bit", "4bit"):
+        # Quantized bases load whole on every device (zero.Init can't build them) and are only
+        # partitioned by deepspeed.initialize: loading peaks at the whole quantized base.
+        per_device["total_bytes"] = max(per_device["total_bytes"], base_weight_bytes(arch, setup.precision)[0] + CUDA_CONTEXT)
     return Estimate(trainable, per_device, host, nvme, saved_act + saved_logits)
 
 
@@ -384,7 +390,7 @@ def run(cfg) -> int:
     from lora_tune.config import parse_size
 
     # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
-    check_compatibility(cfg)
+    check_compatibility(cfg, paths=False)
     arch = load_architecture(cfg.base)
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)

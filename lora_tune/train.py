@@ -169,17 +169,19 @@ class Recipe:
         # Only now, with every input checked, the expensive part.
         dist.init(cfg)
         self.ds_config = dist.deepspeed_config(cfg) if cfg.zero else None
-        if cfg.zero == 3:
-            from transformers.integrations import HfDeepSpeedConfig
-
+        quantized = cfg.precision in ("8bit", "4bit")
+        if cfg.zero == 3 and not quantized:
             # Must exist (and stay referenced) while from_pretrained runs: it makes transformers
             # build the model under zero.Init, so each rank only ever holds its partition.
-            self.hf_deepspeed = HfDeepSpeedConfig(self.ds_config)
-        model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, partitioned=cfg.zero == 3)
-        if cfg.zero == 3:
-            local = sum(p.ds_tensor.numel() for p in model.parameters())
-            full = sum(p.ds_numel for p in model.parameters())
-            print(f"zero-3: rank {dist.rank()} holds {local:,} of {full:,} base parameters", file=sys.stderr, flush=True)
+            self.hf_deepspeed = dist.hf_deepspeed_config(self.ds_config)
+        # Quantized weights can't be built under zero.Init (transformers skips it for them): each
+        # rank quantizes the base onto its device as the shards arrive, and deepspeed.initialize
+        # partitions it afterwards (4-bit stored as bf16 words, so ZeRO can split it).
+        model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=cfg.zero == 3)
+        if cfg.zero == 3 and quantized:
+            self.hf_deepspeed = dist.hf_deepspeed_config(self.ds_config)
+        elif cfg.zero == 3:
+            print(dist.partition_report(model), file=sys.stderr, flush=True)  # as loaded: partitioned
         self.model = add_lora(model, cfg, self.base_id)
         self.state = RunState()
         if self.saved_state:
@@ -188,6 +190,8 @@ class Recipe:
             self.engine = DeepSpeedEngine(self.model, cfg, self.device, self.total_steps, self.ds_config)
         else:
             self.engine = SingleDeviceEngine(self.model, cfg, self.device, self.total_steps)
+        if cfg.zero == 3 and quantized:
+            print(dist.partition_report(self.model), file=sys.stderr, flush=True)  # partitioned by initialize
         if self.saved_state:
             self._load_training_state(self.resume_from, self.saved_state)
         self.metrics = None
@@ -320,6 +324,7 @@ class Recipe:
                 n_labels = sum(label_tokens(b) for b in batches)
                 try:
                     loss = sum(float(self.engine.forward_backward(b, n_labels)) for b in batches)
+                    loss = dist.token_weighted_mean(loss, n_labels)  # what is logged: the step's loss over all ranks
                     grad_norm, applied = self.engine.step()
                 except torch.OutOfMemoryError:
                     self._out_of_memory()

@@ -259,3 +259,15 @@ def test_auto_commands_are_exact_train_commands(argv, capsys):
     assert words[:2] == ["lora-tune", "train"]
     cfg = config_from_args(TrainConfig, build_parser().parse_args(words[1:]))
     check_compatibility(cfg)
+
+
+def test_a_4bit_base_under_zero3_counts_its_whole_loading_peak_per_device():
+    """Quantized bases load whole on every GPU before ZeRO-3 partitions them, so 2 x 24 GB can't
+    hold a 70B in 4 bits even though the partitioned steady state would be far smaller."""
+    arch = plan.load_architecture("llama-70b")
+    whole_nf4 = plan.base_weight_bytes(arch, "4bit")[0]
+    sharded = plan.estimate(arch, plan.Setup(precision="4bit", zero=3, gpus=2, max_seq_len=512))
+    assert sharded.per_device["weights_bytes"] < whole_nf4 * 0.6  # the steady state: about half each
+    assert sharded.per_device["total_bytes"] >= whole_nf4  # but loading holds it all
+    bf16 = plan.estimate(arch, plan.Setup(precision="bf16", zero=3, gpus=8, max_seq_len=512))
+    assert bf16.per_device["total_bytes"] < plan.base_weight_bytes(arch, "bf16")[0] / 4  # zero.Init: never whole
