@@ -96,9 +96,10 @@ def test_every_accepted_cell_trains_the_one_device_loss(precision, zero, offload
 
 
 @pytest.mark.parametrize("precision,zero,offload", [("4bit", 3, "cpu"), ("8bit", 2, "none")])
-def test_quantized_bases_under_zero_partition_and_merge(precision, zero, offload, tiny_model, data_files, tmp_path, capsys):
+def test_quantized_bases_under_zero_partition_merge_and_resume_exactly(precision, zero, offload, tiny_model, data_files, tmp_path, capsys):
+    kw = dict(precision=precision, zero=zero, offload=offload, optim="adamw_8bit", lr=5e-2)
     out = tmp_path / "zero"
-    proc = train(tiny_model, data_files["alpaca"], out, precision=precision, zero=zero, offload=offload, max_steps=2, save_steps=1000, optim="adamw_8bit", lr=5e-2)
+    proc = train(tiny_model, data_files["alpaca"], out, **kw)
     if zero == 3:
         # NF4 stored in bf16 words (bnb_4bit_quant_storage), so ZeRO-3 really splits it.
         holds = re.findall(r"zero-3: rank (\d) holds ([\d,]+) of ([\d,]+) base parameters", proc.stderr)
@@ -110,6 +111,7 @@ def test_quantized_bases_under_zero_partition_and_merge(precision, zero, offload
     # Trained on a quantized base, merged into the full-precision one and verified against it.
     code, _, err = run_cli(["merge", "--adapter", out, "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
     assert code == 0 and "verified: drift" in err
+    resume_from_step_2(tiny_model, data_files["alpaca"], out, tmp_path / "stopped", **kw)
 
 
 def test_matrix_refuses_what_it_does_not_run():
