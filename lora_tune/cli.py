@@ -113,9 +113,24 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
+def without_launcher_flags(argv: list[str]) -> list[str]:
+    """The `deepspeed` launcher appends --local_rank=N to the command; LOCAL_RANK in the
+    environment says the same (torchrun and accelerate set only that), so the flag is dropped."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not a.startswith(("--local_rank=", "--local-rank=")):
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging()
+    argv = without_launcher_flags([str(a) for a in (sys.argv[1:] if argv is None else argv)])
     args = build_parser().parse_args(argv)
     try:
         if args.command == "models":
@@ -131,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             if (cfg.nproc or cfg.zero) and not distributed.launched():
                 # Validate once here, in one line, before starting N processes that would each fail.
                 Recipe(cfg).check_inputs()
-                return distributed.launch(list(sys.argv[1:] if argv is None else argv), cfg.nproc or 1)
+                return distributed.launch(argv, cfg.nproc or 1)
             try:
                 run(cfg)
             except TrainingStopped as stop:

@@ -171,3 +171,24 @@ def test_sigterm_stops_every_rank_at_the_same_step_with_a_checkpoint(tiny_model,
     step = steps.pop()
     ckpt = out / f"checkpoint-{step}"
     assert (ckpt / "COMPLETE").is_file() and (ckpt / "training_state_rank1.safetensors").is_file()
+
+
+def test_the_deepspeed_launcher_runs_the_same_command(tiny_model, data_files, tmp_path):
+    """`deepspeed --module lora_tune train ...` appends --local_rank=N and sets LOCAL_RANK: the
+    command runs as it does under torchrun (LOCAL_SIZE tells DeepSpeed's CPU backend: 2 ranks)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ds"
+    args = fast_train_args(tiny_model, data_files["alpaca"], out, zero=2, max_steps=2, micro_batch_size=2, grad_accum=2)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), "--module", "lora_tune", *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "LOCAL_SIZE": "2"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "--local_rank=1" in proc.stdout + proc.stderr  # the launcher did pass its flag
+    assert step_losses(out) and (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["world_size"] == 2

@@ -79,8 +79,34 @@ def test_grad_accumulation_matches_one_big_batch(tiny_model, data_files, tmp_pat
         loss = read_metrics(out)[0]["loss"]
         outs[f"loss{mbs}"] = loss
     assert outs["loss4"] == pytest.approx(outs["loss2"], rel=1e-5)
-    for k in outs[4]:
-        torch.testing.assert_close(outs[4][k], outs[2][k], rtol=1e-4, atol=1e-6)
+    # The step's gradients, not the updated weights, are what accumulation must reproduce: Adam's
+    # first step divides each gradient by its own magnitude, so where |g| is near eps (1e-8) it
+    # turns float rounding between the two summation orders into visible weight differences.
+    grads = {mbs: step_gradients(tiny_model, data, tmp_path / f"grads{mbs}", mbs, ga) for mbs, ga in [(4, 1), (2, 2)]}
+    scale = max(float(g.abs().max()) for g in grads[4].values())
+    assert scale > 0
+    for k in grads[4]:  # equal to fp32 summation-order rounding: 1e-4 relative, or a millionth of the largest
+        torch.testing.assert_close(grads[2][k], grads[4][k], rtol=1e-4, atol=1e-6 * scale)
+
+
+def step_gradients(base: Path, data: Path, out: Path, mbs: int, ga: int) -> dict[str, torch.Tensor]:
+    """The LoRA gradients of the first optimizer step, through the recipe's own batches and engine."""
+    from lora_tune.config import TrainConfig
+    from lora_tune.data import label_tokens
+    from lora_tune.train import Recipe
+
+    cfg = TrainConfig(base=str(base), data=str(data), output_dir=str(out), precision="fp32", rank=4, lr=5e-3, max_steps=1,
+                      micro_batch_size=mbs, grad_accum=ga, max_seq_len=128, optim="adamw", seed=7, dropout=0.0)
+    recipe = Recipe(cfg)
+    recipe.setup()
+    try:
+        batches = recipe._step_batches(0)
+        n_labels = sum(label_tokens(b) for b in batches)
+        for batch in batches:
+            recipe.engine.forward_backward(batch, n_labels)
+        return {name: p.grad.detach().clone() for name, p in recipe.model.named_parameters() if p.requires_grad}
+    finally:
+        recipe.cleanup()
 
 
 def test_resume_after_a_checkpoint_equals_an_uninterrupted_run(tiny_model, data_files, tmp_path, capsys):
