@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg = config_from_args(TrainConfig, args)
             if (cfg.nproc or cfg.zero) and not distributed.launched():
                 # Validate once here, in one line, before starting N processes that would each fail.
+                # Its summaries (data, memory plan) are left to rank 0, which prints them again.
+                logging.getLogger("lora_tune").setLevel(logging.WARNING)
                 Recipe(cfg).check_inputs()
                 return distributed.launch(argv, cfg.nproc or 1)
             try:
