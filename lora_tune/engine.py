@@ -155,7 +155,7 @@ class DeepSpeedEngine(SingleDeviceEngine):
         self.device = device
         self.params = [p for p in model.parameters() if p.requires_grad]
         if cfg.offload != "none":
-            # Offloaded optimizer states live in host RAM (or swap to NVMe) and are stepped there:
+            # Offloaded optimizer states live in host RAM and are stepped there:
             # bitsandbytes' 8-bit AdamW only runs where the states are on the device, so DeepSpeed's
             # vectorised CPU Adam (AdamW mode) does it; its op is compiled on first use and cached.
             from deepspeed.ops.adam import DeepSpeedCPUAdam
