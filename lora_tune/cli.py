@@ -113,16 +113,15 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
-def without_launcher_flags(argv: list[str]) -> list[str]:
-    """The `deepspeed` launcher appends --local_rank=N to the command; LOCAL_RANK in the
-    environment says the same (torchrun and accelerate set only that), so the flag is dropped."""
+def without_flags(argv: list[str], *names: str) -> list[str]:
+    """argv less the named flags and their values (`--flag V` or `--flag=V`)."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a in ("--local_rank", "--local-rank"):
+        elif a in names:
             skip = True
-        elif not a.startswith(("--local_rank=", "--local-rank=")):
+        elif not a.startswith(tuple(f"{n}=" for n in names)):
             out.append(a)
     return out
 
@@ -130,7 +129,9 @@ def without_launcher_flags(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging()
-    argv = without_launcher_flags([str(a) for a in (sys.argv[1:] if argv is None else argv)])
+    # The `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the
+    # same (torchrun and accelerate set only that), so the flag is dropped.
+    argv = without_flags([str(a) for a in (sys.argv[1:] if argv is None else argv)], "--local_rank", "--local-rank")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "models":
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 # Its summaries (data, memory plan) are left to rank 0, which prints them again.
                 logging.getLogger("lora_tune").setLevel(logging.WARNING)
                 Recipe(cfg).check_inputs()
-                return distributed.launch(argv, cfg.nproc or 1)
+                return distributed.launch(without_flags(argv, "--nproc"), cfg.nproc or 1)
             try:
                 run(cfg)
             except TrainingStopped as stop:

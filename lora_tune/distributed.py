@@ -110,18 +110,9 @@ def token_weighted_mean(value: float, tokens: int) -> float:
     return float(t[0] / t[1]) if t[1] > 0 else value
 
 
-def launch(argv: list[str], nproc: int) -> int:
-    """Re-run this very command under torchrun with N local processes; returns its exit code."""
-    args, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--nproc":
-            skip = True
-            continue
-        if not a.startswith("--nproc="):
-            args.append(a)
+def launch(args: list[str], nproc: int) -> int:
+    """Run this command (given without --nproc) under torchrun with N local processes; returns
+    its exit code."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
