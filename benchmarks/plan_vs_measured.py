@@ -26,7 +26,7 @@ from lora_tune import plan
 from lora_tune.adapter import add_lora
 from lora_tune.config import TrainConfig
 from lora_tune.data import Sample, collate
-from lora_tune.engine import SingleDeviceEngine
+from lora_tune.engines.single import SingleDeviceEngine
 from lora_tune.model_loading import load_base_model
 
 LLAMA3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -56,7 +56,8 @@ def one_run(base: Path, precision: str, checkpointing: bool, seq: int) -> dict:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = add_lora(load_base_model(str(base), precision, device), cfg, str(base))
-    engine = SingleDeviceEngine(model, cfg, device, total_steps=2)
+    engine = SingleDeviceEngine(cfg, device)
+    engine.prepare(model, total_steps=2)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(3, vocab, (seq,)).tolist()
     batch = collate([Sample(ids, ids)], pad_id=0)

@@ -66,20 +66,67 @@ def add_lora(model, cfg, base_id: str):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()
-    torch.manual_seed(cfg.seed)  # LoRA A is initialised randomly: make it part of the seeded math
     peft_model = get_peft_model(model, lora_config(cfg, targets))
     peft_model.peft_config["default"].base_model_name_or_path = base_id
-    for name, p in peft_model.named_parameters():
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()  # LoRA trains in fp32 whatever the base is stored in
+    peft_model.lora_tune_seed = cfg.seed
+    for name, layer in lora_layers(peft_model):
+        if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.layerwise)
+            init_lora_layer(layer, name, cfg.seed)
+    to_fp32(peft_model)
+    torch.manual_seed(cfg.seed)  # dropout draws from here: part of the seeded math
     return peft_model
 
 
-def trainable_state_dict(peft_model) -> dict[str, torch.Tensor]:
-    """The adapter weights under peft's saved names (no '.default'), on CPU, contiguous."""
+def to_fp32(module) -> None:
+    for p in module.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()  # LoRA trains in fp32 whatever the base is stored in
+
+
+def lora_layers(module, prefix: str = ""):
+    """(full name, layer) of every LoRA layer inside `module`."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, m in module.named_modules(prefix=prefix):
+        if isinstance(m, LoraLayer):
+            yield name, m
+
+
+def is_meta(layer) -> bool:
+    return any(p.device.type == "meta" for p in layer.lora_A.parameters())
+
+
+def init_lora_layer(layer, name: str, seed: int) -> None:
+    """LoRA's initial values (A: peft's Kaiming uniform, B: zeros; DoRA: the base weight's row
+    norms) from a generator seeded by the run's seed and the layer's name. The same values come out
+    whichever order or process initialises the layers, so every backend starts from the same adapter,
+    also when the base is filled layer by layer after being sharded."""
+    import zlib
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        layer.reset_lora_parameters("default", init_lora_weights=True)
+    variant = getattr(layer, "lora_variant", {}).get("default")
+    if variant is not None and any(p.device.type == "meta" for p in layer.lora_magnitude_vector.parameters()):
+        variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight
+
+
+def materialize_lora(unit, unit_name: str, seed: int, device: torch.device) -> None:
+    """Give the meta LoRA layers inside `unit` real, seeded values on `device` (layer-by-layer loading)."""
+    for name, layer in lora_layers(unit, unit_name):
+        if is_meta(layer):
+            for part in (layer.lora_A, layer.lora_B):
+                part.to_empty(device=device)
+            init_lora_layer(layer, name, seed)
+            to_fp32(layer)
+
+
+def trainable_state_dict(peft_model, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
+    """The adapter weights under peft's saved names (no '.default'), on CPU, contiguous; taken from
+    `state_dict` when given (gathered from shards), else from the model."""
     from peft import get_peft_model_state_dict
 
-    state = get_peft_model_state_dict(peft_model)
+    state = get_peft_model_state_dict(peft_model, state_dict=state_dict)
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 

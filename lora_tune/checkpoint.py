@@ -198,3 +198,60 @@ def load_rng(path: Path) -> None:
         cuda = [state[k] for k in sorted(k for k in state if k.startswith("torch_cuda_"))]
         if cuda:
             torch.cuda.set_rng_state_all(cuda)
+
+
+# --- pickle-free state of sharded optimizers ------------------------------------------------------
+def to_safe(obj, tensors: dict, path: str = "s"):
+    """JSON-able skeleton with tensors pulled out (saved with safetensors). Objects that are
+    neither tensors nor plain data are dropped and taken from the live optimizer on load: DeepSpeed's
+    state holds its ZeRO stage enum (kept as its int) and a loss scaler (static for our fp32 LoRA
+    states)."""
+    from enum import Enum
+
+    if torch.is_tensor(obj):
+        tensors[path] = obj.detach().cpu().contiguous()
+        return {"__tensor__": path}
+    if isinstance(obj, Enum):
+        return obj.value
+    if isinstance(obj, dict):
+        return {"__dict__": [[to_safe(k, tensors, f"{path}.k{i}"), to_safe(v, tensors, f"{path}.{i}")] for i, (k, v) in enumerate(obj.items())]}
+    if isinstance(obj, (list, tuple)):
+        return {"__list__": [to_safe(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    return {"__dropped__": type(obj).__name__}
+
+
+def from_safe(obj, tensors: dict):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__dict__" in obj:
+            return {from_safe(k, tensors): from_safe(v, tensors) for k, v in obj["__dict__"]}
+        if "__list__" in obj:
+            items = [from_safe(v, tensors) for v in obj["__list__"]]
+            return tuple(items) if obj["tuple"] else items
+        if "__dropped__" in obj:
+            return None
+    return obj
+
+
+def save_safe_state(folder: Path, name: str, state) -> None:
+    from safetensors.torch import save_file
+
+    tensors: dict = {}
+    skeleton = to_safe(state, tensors)
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def load_safe_state(folder: Path, name: str):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(folder / f"{name}.safetensors"))
+        skeleton = json.loads((folder / f"{name}.json").read_text())
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{folder / name}.* is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+    return from_safe(skeleton, tensors)

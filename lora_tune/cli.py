@@ -140,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-            from lora_tune import distributed
+            from lora_tune import distributed, engines
             from lora_tune.train import Recipe, TrainingStopped, run
 
             cfg = config_from_args(TrainConfig, args)
-            if (cfg.nproc or cfg.zero) and not distributed.launched():
+            if (cfg.nproc or engines.backend_name(cfg) != "single") and not distributed.launched():
                 # Validate once here, in one line, before starting N processes that would each fail.
                 # Its summaries (data, memory plan) are left to rank 0, which prints them again.
                 logging.getLogger("lora_tune").setLevel(logging.WARNING)

@@ -63,8 +63,9 @@ class TrainConfig(BaseModel):
     max_bad_steps: int = Field(3, json_schema_extra=FREE, description="Stop after this many consecutive steps with NaN/inf loss or gradient norm (those steps are skipped, and logged).")
 
     # --- distributed ---------------------------------------------------------------------------
-    zero: Literal[0, 2, 3] = Field(0, json_schema_extra=MATH, description="DeepSpeed ZeRO stage: 0 (none), 2 (shard gradients and optimizer states), 3 (also the base weights, partitioned while loading).")
-    offload: Literal["none", "cpu", "nvme"] = Field("none", json_schema_extra=MATH, description="With ZeRO: offload optimizer states (ZeRO-3: also weights) to host RAM (cpu) or NVMe.")
+    backend: Optional[Literal["single", "deepspeed", "fsdp"]] = Field(None, json_schema_extra=MATH, description="Training engine: single (one device), deepspeed (ZeRO, see --zero) or fsdp (PyTorch FSDP2, shards weights, gradients and optimizer states). Default: deepspeed when --zero is given, else single.")
+    zero: Literal[0, 1, 2, 3] = Field(0, json_schema_extra=MATH, description="DeepSpeed ZeRO stage (implies --backend deepspeed): 1 (shard optimizer states), 2 (also gradients), 3 (also the base weights, partitioned while loading); 0 = no DeepSpeed.")
+    offload: Literal["none", "cpu", "nvme"] = Field("none", json_schema_extra=MATH, description="With ZeRO or FSDP: offload optimizer states (ZeRO-3 and FSDP: also weights) to host RAM (cpu) or NVMe.")
     nvme_path: Optional[str] = Field(None, json_schema_extra=FREE, description="Folder for --offload nvme.")
     zero_config: Optional[str] = Field(None, json_schema_extra=MATH, description="A full DeepSpeed JSON (bucket sizes, overlap, ...); batch sizes, clipping and the stage are set from the other options.")
     nproc: Optional[int] = Field(None, json_schema_extra=FREE, description="Start N local processes (torchrun underneath). Not needed when launched by torchrun, deepspeed or accelerate.")

@@ -34,7 +34,7 @@ import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from lora_tune.distributed import SUPPORTED, check_compatibility
+from lora_tune import engines
 from lora_tune.errors import UserError
 
 GIB = 2**30
@@ -117,6 +117,7 @@ class Setup:
     max_seq_len: int = 2048
     gradient_checkpointing: bool = True
     optim: str = "adamw_8bit"
+    backend: str = "single"
     zero: int = 0
     offload: str = "none"
     gpus: int = 1
@@ -224,19 +225,32 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
     lora_bytes, grads, optim = 4 * trainable, 4 * trainable, optimizer_bytes(tensors, setup.optim)
     host = {"offloaded_optimizer_bytes": 0, "offloaded_weights_bytes": 0, "loading_bytes": 0}
     nvme = 0
-    if setup.zero >= 2:
-        grads, optim = math.ceil(grads / n), math.ceil(optim / n)
-    if setup.zero == 3:
-        weights = math.ceil(weights / n) + layer_weights  # own shard + one gathered layer
+    fsdp = setup.backend == "fsdp"
+    if setup.zero >= 1 or fsdp:
+        optim = math.ceil(optim / n)
+    if setup.zero >= 2 or fsdp:
+        grads = math.ceil(grads / n)
+    # Parameters gathered at once: ZeRO-3 one layer; FSDP2 the layer in flight and the next one,
+    # whose all-gather it prefetches.
+    in_flight = 2 * layer_weights if fsdp else layer_weights
+    if setup.zero == 3 or fsdp:
+        weights = math.ceil(weights / n) + in_flight  # own shard + the gathered layer(s)
         lora_bytes = math.ceil(lora_bytes / n)
     if setup.offload != "none":
-        # DeepSpeed's CPU Adam: fp32 m, v and a fp32 master copy per shard (8-bit states can't go there).
-        offloaded = math.ceil(12 * trainable / n)
-        optim = 0
         moved_weights = 0
-        if setup.zero == 3:
-            moved_weights = weights - 2 * layer_weights
-            weights = 2 * layer_weights  # working set: the gathered layer and the prefetched next
+        if fsdp:
+            # CPUOffloadPolicy: sharded weights, LoRA weights, gradients and optimizer states all
+            # live on the host, and the optimizer steps there; the device keeps the layers in flight.
+            offloaded = lora_bytes + grads + optim
+            moved_weights = weights - in_flight
+            weights, lora_bytes, grads, optim = in_flight, 0, 0, 0
+        else:
+            # DeepSpeed's CPU Adam: fp32 m, v and a fp32 master copy per shard (8-bit states can't go there).
+            offloaded = math.ceil(12 * trainable / n)
+            optim = 0
+            if setup.zero == 3:
+                moved_weights = weights - 2 * layer_weights
+                weights = 2 * layer_weights  # working set: the gathered layer and the prefetched next
         if setup.offload == "cpu":
             host["offloaded_optimizer_bytes"] = offloaded * setup.gpus
             host["offloaded_weights_bytes"] = moved_weights * setup.gpus
@@ -269,7 +283,8 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
 SLOWDOWN = {
     "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 2.5, "8bit": 1.6, "4bit": 1.3},
     "checkpointing": {False: 1.0, True: 1.33},  # one extra forward
-    "zero": {0: 1.0, 2: 1.05, 3: 1.2},
+    "zero": {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.2},
+    "fsdp": 1.15,  # all-gathers per layer like ZeRO-3, overlapped by FSDP2's prefetch
     "offload": {"none": 1.0, "cpu": 1.6, "nvme": 3.0},
 }
 
@@ -278,21 +293,22 @@ def relative_speed(setup: Setup) -> float:
     tokens = setup.micro_batch_size * setup.max_seq_len
     utilisation = min(1.0, tokens / 8192) ** 0.3  # small batches leave the GPU underused
     cost = (SLOWDOWN["precision"][setup.precision] * SLOWDOWN["checkpointing"][setup.gradient_checkpointing]
-            * SLOWDOWN["zero"][setup.zero] * SLOWDOWN["offload"][setup.offload])
+            * (SLOWDOWN["fsdp"] if setup.backend == "fsdp" else SLOWDOWN["zero"][setup.zero]) * SLOWDOWN["offload"][setup.offload])
     return setup.world * utilisation / cost
 
 
 def candidates(base: Setup):
-    for precision in ("bf16", "8bit", "4bit"):
-        for zero in (0, 2, 3):  # ZeRO also runs on one GPU, where it only matters with offload
-            for offload in ("none", "cpu", "nvme"):
-                if (offload != "none" and zero == 0) or (base.world == 1 and zero and offload == "none"):
-                    continue
-                if zero and (precision, zero, offload) not in SUPPORTED:
-                    continue  # only setups `train` runs (the compatibility matrix), so the command is exact
-                for ckpt in (False, True):
-                    for mbs in (1, 2, 4, 8, 16):
-                        yield replace(base, precision=precision, zero=zero, offload=offload, gradient_checkpointing=ckpt, micro_batch_size=mbs)
+    """Setups `train` runs (the backends' compatibility cells), so the recommended command is exact."""
+    cells = [c for c in engines.supported_cells() if c.precision in ("bf16", "8bit", "4bit")]
+    for cell in cells:
+        if base.world > 1 and cell.backend == "single":
+            continue  # one process can't use several GPUs
+        if base.world == 1 and cell.backend != "single" and cell.offload == "none":
+            continue  # sharding over one GPU only matters with offload
+        for ckpt in (False, True):
+            for mbs in (1, 2, 4, 8, 16):
+                yield replace(base, precision=cell.precision, backend=cell.backend, zero=cell.zero, offload=cell.offload,
+                              gradient_checkpointing=ckpt, micro_batch_size=mbs)
 
 
 def fits(est: Estimate, gpu_bytes: int, cpu_bytes: int | None) -> bool:
@@ -333,7 +349,7 @@ def gib(x: int) -> str:
 
 def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> str:
     rows = [f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens, "
-            f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.optim}, ZeRO-{setup.zero}, offload {setup.offload}, "
+            f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.optim}, {'FSDP2' if setup.backend == 'fsdp' else f'ZeRO-{setup.zero}'}, offload {setup.offload}, "
             f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
             f"trainable (LoRA) parameters: {est.trainable_parameters:,}", "per device:"]
     for k, v in est.per_device.items():
@@ -355,7 +371,9 @@ def train_command(base: str, setup: Setup) -> str:
     parts = ["lora-tune train", f"--base {base}", f"--precision {setup.precision}", f"--rank {setup.rank}",
              f"--micro-batch-size {setup.micro_batch_size}", f"--max-seq-len {setup.max_seq_len}", f"--optim {setup.optim}",
              "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing"]
-    if setup.zero:
+    if setup.backend == "fsdp":
+        parts += ["--backend fsdp", f"--offload {setup.offload}"]
+    elif setup.zero:
         parts += [f"--zero {setup.zero}", f"--offload {setup.offload}"]
     if setup.nodes > 1:  # one torchrun per node; see the README's multi-node example
         launcher = f"torchrun --nnodes {setup.nodes} --nproc-per-node {setup.gpus} --node-rank RANK --master-addr HOST --master-port 29500 -m lora_tune train"
@@ -380,7 +398,7 @@ def setup_from(cfg) -> Setup:
     return Setup(precision=cfg.precision, rank=cfg.rank, target_modules=tuple(cfg.target_modules or MODULES),
                  micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len, gradient_checkpointing=cfg.gradient_checkpointing,
                  optim="adamw" if cfg.optim == "adamw" else "adamw_8bit",
-                 zero=getattr(cfg, "zero", 0), offload=getattr(cfg, "offload", "none"),
+                 backend=engines.backend_name(cfg), zero=getattr(cfg, "zero", 0), offload=getattr(cfg, "offload", "none"),
                  gpus=getattr(cfg, "gpus", None) or cfg.nproc or int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                  nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
@@ -390,7 +408,7 @@ def run(cfg) -> int:
     from lora_tune.config import parse_size
 
     # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
-    check_compatibility(cfg, paths=False)
+    engines.check_compatibility(cfg, paths=False)
     arch = load_architecture(cfg.base)
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)

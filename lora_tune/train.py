@@ -21,14 +21,14 @@ import yaml
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
-from lora_tune.adapter import add_lora, load_adapter_weights, save_adapter, trainable_state_dict
+from lora_tune import engines
+from lora_tune.adapter import add_lora, save_adapter
 from lora_tune.aliases import resolve_base
 from lora_tune.config import TrainConfig
 from lora_tune.data import PreparedData, collate, label_tokens, micro_batch_indices, prepare_data
-from lora_tune.engine import DeepSpeedEngine, SingleDeviceEngine
 from lora_tune.errors import UserError
 from lora_tune.metrics import MetricsLog, Progress, check_reporter, peak_memory_bytes
-from lora_tune.model_loading import load_base_model, load_tokenizer, pick_device
+from lora_tune.model_loading import load_tokenizer, pick_device
 
 log = logging.getLogger("lora_tune")
 
@@ -149,7 +149,7 @@ class Recipe:
         """Everything about the user's input, before any weight is loaded (also run by the
         `--nproc` launcher, so a bad input fails once, in one line, before processes start)."""
         cfg = self.cfg
-        dist.check_compatibility(cfg)
+        engines.check_compatibility(cfg)
         check_reporter(cfg.report_to)
         self.output_dir, self.resume_from = check_output_dir(cfg)
         self.base_path = resolve_base(cfg.base)
@@ -166,34 +166,21 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.check_inputs()
-        # Only now, with every input checked, the expensive part.
-        dist.init(cfg)
-        self.ds_config = dist.deepspeed_config(cfg) if cfg.zero else None
-        quantized = cfg.precision in ("8bit", "4bit")
-        if cfg.zero == 3 and not quantized:
-            # Must exist (and stay referenced) while from_pretrained runs: it makes transformers
-            # build the model under zero.Init, so each rank only ever holds its partition.
-            self.hf_deepspeed = dist.hf_deepspeed_config(self.ds_config)
-        # Quantized weights can't be built under zero.Init (transformers skips it for them): each
-        # rank quantizes the base onto its device as the shards arrive, and deepspeed.initialize
-        # partitions it afterwards (4-bit stored as bf16 words, so ZeRO can split it).
-        model = load_base_model(self.base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=cfg.zero == 3)
-        if cfg.zero == 3 and quantized:
-            self.hf_deepspeed = dist.hf_deepspeed_config(self.ds_config)
-        elif cfg.zero == 3:
-            print(dist.partition_report(model), file=sys.stderr, flush=True)  # as loaded: partitioned
-        self.model = add_lora(model, cfg, self.base_id)
+        # Only now, with every input checked, the expensive part. The engine decides how the base
+        # is loaded and partitioned and when the adapter goes in.
+        self.engine = engines.create(cfg, self.device)
+        self.model = self.engine.load(self.base_path, lambda base: add_lora(base, cfg, self.base_id))
         self.state = RunState()
         if self.saved_state:
-            self._load_adapter(self.resume_from)
-        if cfg.zero:
-            self.engine = DeepSpeedEngine(self.model, cfg, self.device, self.total_steps, self.ds_config)
-        else:
-            self.engine = SingleDeviceEngine(self.model, cfg, self.device, self.total_steps)
-        if cfg.zero == 3 and quantized:
-            print(dist.partition_report(self.model), file=sys.stderr, flush=True)  # partitioned by initialize
+            self.engine.load_adapter(self.resume_from)
+        self.engine.prepare(self.model, self.total_steps)
+        report = self.engine.memory_report()
+        if report:
+            print(report, file=sys.stderr, flush=True)  # every rank: each says what it holds
         if self.saved_state:
-            self._load_training_state(self.resume_from, self.saved_state)
+            self.engine.load_state(self.resume_from)
+            self.state = RunState(**{k: self.saved_state[k] for k in ("step", "tokens_seen", "bad_steps_in_a_row", "best_eval_loss")})
+            log.info("resumed from %s (step %d)", self.resume_from, self.state.step)
         self.metrics = None
         if dist.is_main():
             self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -202,29 +189,9 @@ class Recipe:
             self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if cfg.resume else None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad)
-        log.info("trainable parameters: %s; %d optimizer steps; device %s", f"{trainable:,}", self.total_steps, self.device)
+        log.info("trainable parameters: %s; %d optimizer steps; %s backend on %s", f"{trainable:,}", self.total_steps, self.engine.name, self.device)
 
     # --- checkpoints --------------------------------------------------------------------------
-    def _load_adapter(self, path: Path) -> None:
-        if self.cfg.zero == 3:
-            import deepspeed
-
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-                load_adapter_weights(self.model, path)
-        else:
-            load_adapter_weights(self.model, path)
-
-    def _load_training_state(self, path: Path, saved_state: dict) -> None:
-        if self.cfg.zero:
-            self.engine.load_state_dict(dist.load_safe_state(path, f"training_state_rank{dist.rank()}"))
-            ckpt.load_rng(path / f"rng_state_rank{dist.rank()}.safetensors")
-        else:
-            self.engine.load_state_dict(ckpt.load_torch_state(path / "training_state.pt"))
-            ckpt.load_rng(path / "rng_state.safetensors")
-        self.state = RunState(**{k: saved_state[k] for k in ("step", "tokens_seen", "bad_steps_in_a_row", "best_eval_loss")})
-        log.info("resumed from %s (step %d)", path, self.state.step)
-
     def save_checkpoint(self) -> Path:
         try:
             return self._write_checkpoint()
@@ -235,43 +202,34 @@ class Recipe:
             kept = f"{good.name} is intact" if good else "no earlier checkpoint exists"
             raise TrainingStopped(f"could not write checkpoint-{self.state.step} in {self.output_dir} ({e.strerror or e}); {kept}. Free space and rerun with --resume", 1, "error") from None
 
-    def adapter_state(self) -> dict:
-        """The LoRA weights, whole, on every rank: under ZeRO-3 only they are gathered (never the
-        base), so saving costs the adapter's size, not the model's."""
-        if self.cfg.zero == 3:
-            import deepspeed
-
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-                return trainable_state_dict(self.model)
-        return trainable_state_dict(self.model)
-
     def _write_checkpoint(self) -> Path:
-        adapter = self.adapter_state()
+        """Rank 0 opens the temporary folder, every rank writes its engine's part, rank 0 adds
+        the adapter and trainer state and commits. A failure on any rank aborts the folder on
+        every rank (all agree first, so none waits in a barrier for a rank that gave up)."""
+        adapter = self.engine.adapter_state()  # collective where the adapter is sharded
         writer = ckpt.CheckpointWriter(self.output_dir, self.state.step)
-        if not self.cfg.zero:
-            with writer as tmp:
-                save_adapter(self.model, tmp, adapter)
-                ckpt.save_torch_state(tmp / "training_state.pt", self.engine.state_dict())
-                ckpt.save_rng(tmp / "rng_state.safetensors")
-                self._write_trainer_state(tmp)
-        else:
-            # Rank 0 opens the folder, each rank writes its optimizer partition, rank 0 commits.
+        if dist.is_main():
+            writer.begin()
+        dist.barrier()
+        error = None
+        try:
+            self.engine.save_state(writer.tmp)
             if dist.is_main():
-                writer.begin()
-            dist.barrier()
-            dist.save_safe_state(writer.tmp, f"training_state_rank{dist.rank()}", self.engine.state_dict())
-            ckpt.save_rng(writer.tmp / f"rng_state_rank{dist.rank()}.safetensors")
-            dist.barrier()
+                save_adapter(self.model, writer.tmp, adapter)
+                self._write_trainer_state(writer.tmp)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
+            error = e
+        if dist.any_rank(error is not None):  # every rank's part is written (or none commits)
             if dist.is_main():
-                try:
-                    save_adapter(self.model, writer.tmp, adapter)
-                    self._write_trainer_state(writer.tmp)
-                except BaseException:
-                    writer.abort()
-                    raise
-                writer.commit()
-            dist.barrier()
+                writer.abort()
+            raise error or OSError(f"another rank could not write its part of checkpoint-{self.state.step}")
+        if dist.is_main():
+            try:
+                writer.commit()  # aborts its folder itself on failure
+            except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
+                error = e
+        if dist.any_rank(error is not None):
+            raise error or OSError(f"rank 0 could not commit checkpoint-{self.state.step}")
         if dist.is_main():
             removed = ckpt.rotate(self.output_dir, self.cfg.save_total_limit)
             if removed:
@@ -321,10 +279,14 @@ class Recipe:
             while state.step < self.total_steps:
                 t0 = time.perf_counter()
                 batches = self._step_batches(state.step)
-                n_labels = sum(label_tokens(b) for b in batches)
+                # The step's loss is the sum over every label token of every rank, divided by their
+                # count. Each rank divides by count / world size, because the backends average
+                # gradients over ranks: N ranks then compute exactly what one process would.
+                n_labels = dist.all_sum(sum(label_tokens(b) for b in batches))
+                divisor = n_labels / dist.world_size() if dist.world_size() > 1 else n_labels
                 try:
-                    loss = sum(float(self.engine.forward_backward(b, n_labels)) for b in batches)
-                    loss = dist.token_weighted_mean(loss, n_labels)  # what is logged: the step's loss over all ranks
+                    loss = sum(float(self.engine.forward_backward(b, divisor)) for b in batches)
+                    loss = dist.all_sum(loss) / dist.world_size()  # what is logged: the whole step's loss
                     grad_norm, applied = self.engine.step()
                 except torch.OutOfMemoryError:
                     self._out_of_memory()
@@ -332,7 +294,7 @@ class Recipe:
                 step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
                 state.tokens_seen += step_tokens
                 seconds = time.perf_counter() - t0
-                bad = dist.any_rank(not math.isfinite(loss) or (not applied and self.engine.scaler is None))
+                bad = dist.any_rank(not math.isfinite(loss) or (not applied and not self.engine.skips_overflow))
                 state.bad_steps_in_a_row = state.bad_steps_in_a_row + 1 if bad else 0
                 peak = peak_memory_bytes(self.device)
                 if progress:
@@ -390,7 +352,7 @@ class Recipe:
         if self.data.eval:
             self._write_eval()
         self.save_checkpoint()  # a final checkpoint lets a later --resume extend the run
-        adapter = self.adapter_state()
+        adapter = self.engine.adapter_state()
         if not dist.is_main():
             return
         try:

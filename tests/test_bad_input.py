@@ -13,12 +13,12 @@ from conftest import fast_train_args, run_cli, single_error_line, write_jsonl
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    import lora_tune.train
+    import lora_tune.engines
 
     def refuse(*a, **k):
-        raise AssertionError("the model must not be loaded for bad input")
+        raise AssertionError("no engine may start (and load the model) for bad input")
 
-    monkeypatch.setattr(lora_tune.train, "load_base_model", refuse)
+    monkeypatch.setattr(lora_tune.engines, "create", refuse)
 
 
 def _case(name, tmp_path: Path, tiny_model: Path, good: Path):

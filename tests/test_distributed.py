@@ -1,4 +1,4 @@
-"""ZeRO-2 / ZeRO-3 through the real CLI: 2 processes, gloo, CPU."""
+"""The sharding backends (DeepSpeed ZeRO-1/2/3, FSDP2) through the real CLI: 2 processes, gloo, CPU."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lora_tune.distributed import SUPPORTED
+from lora_tune.engines import Cell, refusal, supported_cells
 
 from conftest import fast_train_args, run_cli, run_cli_subprocess, single_error_line
 
 pytest.importorskip("deepspeed")
+
+SHARDED_CELLS = [c for c in supported_cells() if c.backend != "single"]
 
 ZERO_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2, nproc=2)
 
@@ -76,17 +78,22 @@ def test_zero3_offload_loads_partitioned_saves_and_resumes_exactly(tiny_model, d
 ONE_DEVICE_STEP1: dict[str, float] = {}  # precision -> first-step loss of one process, same micro-batches
 
 
-@pytest.mark.parametrize("precision,zero,offload", sorted(SUPPORTED))
-def test_every_accepted_cell_trains_the_one_device_loss(precision, zero, offload, tiny_model, data_files, tmp_path, capsys):
+def cell_args(cell: Cell) -> dict:
+    return dict(precision=cell.precision, offload=cell.offload, **({"backend": "fsdp"} if cell.backend == "fsdp" else {"zero": cell.zero}))
+
+
+@pytest.mark.parametrize("cell", SHARDED_CELLS, ids=lambda c: f"{c.backend}-{c.precision}-zero{c.zero}-{c.offload}")
+def test_every_accepted_cell_trains_the_one_device_loss(cell, tiny_model, data_files, tmp_path, capsys):
     """Each cell of the matrix that `train` accepts runs, and two ranks compute what one process
     computes: the first step's loss (before any update) over the same 2 micro-batches."""
+    precision = cell.precision
     if precision not in ONE_DEVICE_STEP1:
         one = tmp_path / "one"
         code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], one, precision=precision, micro_batch_size=2, grad_accum=2, max_steps=1), capsys)
         assert code == 0, err
         ONE_DEVICE_STEP1[precision] = step_losses(one)[0]
     out = tmp_path / "zero"
-    train(tiny_model, data_files["alpaca"], out, precision=precision, zero=zero, offload=offload, max_steps=1, grad_accum=1, save_steps=1000, optim="adamw_8bit")
+    train(tiny_model, data_files["alpaca"], out, **cell_args(cell), max_steps=1, grad_accum=1, save_steps=1000, optim="adamw_8bit")
     # fp32 agrees to float rounding; bf16 compute (bf16, 8bit, 4bit) to well under one bf16 ulp of
     # the loss (2^-8 relative): offloading changes where, not what, the matmuls compute.
     tolerance = dict(abs=1e-5) if precision == "fp32" else dict(rel=2e-4)
@@ -115,13 +122,16 @@ def test_quantized_bases_under_zero_partition_merge_and_resume_exactly(precision
 
 
 def test_matrix_refuses_what_it_does_not_run():
-    assert ("8bit", 3, "none") not in SUPPORTED and ("fp16", 2, "none") not in SUPPORTED
-    assert not any(offload == "nvme" for _, _, offload in SUPPORTED)
-    assert {("4bit", 3, "cpu"), ("4bit", 2, "none"), ("8bit", 2, "cpu"), ("bf16", 3, "cpu")} <= SUPPORTED
+    cells = set(supported_cells())
+    assert Cell("deepspeed", "8bit", 3, "none") not in cells and Cell("deepspeed", "fp16", 2, "none") not in cells
+    assert not any(c.offload == "nvme" for c in cells)
+    assert {Cell("deepspeed", "4bit", 3, "cpu"), Cell("deepspeed", "4bit", 2, "none"), Cell("deepspeed", "8bit", 2, "cpu"),
+            Cell("deepspeed", "bf16", 3, "cpu"), Cell("deepspeed", "bf16", 1, "none")} <= cells
+    assert refusal("single", "bf16", 0, "cpu") is not None
 
 
 @pytest.mark.parametrize("overrides,expected", [
-    (dict(offload="cpu"), "--offload needs ZeRO"),
+    (dict(offload="cpu"), "--offload needs a sharding backend"),
     (dict(zero=3, offload="nvme", nvme_path="nv"), "can't checkpoint and resume"),
     (dict(zero=3, precision="8bit"), "can't be partitioned by ZeRO-3"),
     (dict(zero=3, precision="8bit", offload="cpu"), "weight.CB"),
@@ -137,7 +147,8 @@ def test_refused_cells_of_the_compatibility_matrix(overrides, expected, tiny_mod
 @pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json"])
 def test_shipped_deepspeed_configs_are_taken_with_our_batch_numbers(name):
     from lora_tune.config import TrainConfig
-    from lora_tune.distributed import check_compatibility, deepspeed_config
+    from lora_tune.engines import check_compatibility
+    from lora_tune.engines.deepspeed import deepspeed_config
 
     path = Path(__file__).resolve().parent.parent / "configs" / "deepspeed" / name
     stage = json.loads(path.read_text())["zero_optimization"]["stage"]

@@ -80,7 +80,7 @@ def _measured_model_states(model, engine) -> dict[str, int]:
 def test_model_states_are_exact(precision, optim, tiny_model):
     from lora_tune.adapter import add_lora
     from lora_tune.data import collate, Sample
-    from lora_tune.engine import SingleDeviceEngine
+    from lora_tune.engines.single import SingleDeviceEngine
     from lora_tune.model_loading import load_base_model
 
     # rank 48: LoRA B of the MLP down projection (64 x 48 = 3072) stays 32-bit in 8-bit Adam,
@@ -88,7 +88,8 @@ def test_model_states_are_exact(precision, optim, tiny_model):
     cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision=precision, optim=optim, rank=48, max_seq_len=32)
     model = add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b")
     weights_at_load = _measured_model_states(model.base_model.model, None)["weights_bytes"]
-    engine = SingleDeviceEngine(model, cfg, torch.device("cpu"), total_steps=2)
+    engine = SingleDeviceEngine(cfg, torch.device("cpu"))
+    engine.prepare(model, total_steps=2)
     batch = collate([Sample(list(range(3, 30)), list(range(3, 30)))], pad_id=0)
     engine.forward_backward(batch, 26)
     grads_kept = {id(p): p.grad.clone() for p in model.parameters() if p.requires_grad}
@@ -175,7 +176,7 @@ def test_plan_accepts_a_training_config(capsys):
     (["--base", "llama-7b"], "did you mean"),
     (["--base", "llama-8b", "--gpu-memory", "huge"], "--gpu-memory"),
     (["--base", "llama-8b", "--precision", "8bit", "--zero", "3"], "8bit with --zero 3"),
-    (["--base", "llama-8b", "--offload", "cpu"], "--offload needs ZeRO"),
+    (["--base", "llama-8b", "--offload", "cpu"], "--offload needs a sharding backend"),
     (["--base", "llama-8b", "--gpus", "0"], "--gpus"),
     (["--base", "/no/such/model"], "does not exist"),
 ])
@@ -194,7 +195,7 @@ def test_train_preflight_warns_or_refuses_when_the_plan_does_not_fit(tiny_model,
 
 
 def test_out_of_memory_saves_prints_the_plan_and_advice(tiny_model, data_files, tmp_path, capsys, monkeypatch):
-    from lora_tune.engine import SingleDeviceEngine
+    from lora_tune.engines.single import SingleDeviceEngine
 
     real = SingleDeviceEngine.forward_backward
     calls = {"n": 0}
@@ -252,7 +253,7 @@ def test_auto_commands_are_exact_train_commands(argv, capsys):
     import shlex
 
     from lora_tune.cli import build_parser, config_from_args
-    from lora_tune.distributed import check_compatibility
+    from lora_tune.engines import check_compatibility
 
     command = plan_json(capsys, *argv, "--auto")["recommended"]["command"]
     words = shlex.split(command.replace("FILE", "data.jsonl").replace("DIR", "out"))

@@ -1,0 +1,228 @@
+"""DeepSpeed ZeRO-1/2/3, optional CPU offload.
+
+ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also the base weights: a bf16/fp32
+base is built under `zero.Init` (transformers does it when a ZeRO-3 config is registered before
+`from_pretrained`), so no rank ever holds the whole model. Our loss is already normalised over the
+step's label tokens, so DeepSpeed must not divide it by the accumulation steps again
+(scale_wrt_gas=False); DeepSpeed averages gradients over ranks, clips, and steps the optimizer and
+schedule at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from lora_tune import checkpoint as ckpt
+from lora_tune import distributed as dist
+from lora_tune.adapter import load_adapter_weights, trainable_state_dict
+from lora_tune.engines import common
+from lora_tune.model_loading import load_base_model
+
+log = logging.getLogger("lora_tune")
+
+
+class DeepSpeedEngine:
+    name = "deepspeed"
+    ZERO_STAGES = (1, 2, 3)
+    skips_overflow = False
+
+    @staticmethod
+    def refusal(precision: str, zero: int, offload: str) -> str | None:
+        if precision == "fp16":
+            # DeepSpeed's fp16 mode casts the LoRA weights to fp16 under a loss scaler of its own; its
+            # CPU backend has no fp16, so that path can't be tested here and is not offered.
+            return "fp16 under ZeRO needs DeepSpeed's own loss scaler, which is not wired (untestable without a GPU); use --precision bf16 (Ampere or newer) or --zero 0"
+        if precision == "8bit" and zero == 3:
+            # Tried: DeepSpeed does partition the int8 data, but bitsandbytes keeps the whole matrix
+            # referenced as weight.CB, so every rank still holds the full base and nothing is saved.
+            return "8-bit (LLM.int8) weights can't be partitioned by ZeRO-3: bitsandbytes keeps each whole int8 matrix on every rank (weight.CB; bitsandbytes #1249); use --precision 4bit or bf16 with --zero 3, or 8bit with --zero 2"
+        if offload == "nvme":
+            # Tried with DeepSpeed 0.19 (libaio built): swapping parameters fails mid-forward ("Not
+            # enough buffers", DeepSpeed #3062); swapping only optimizer states trains, but its
+            # state_dict holds empty tensors for them and its loader reads swap files it has just
+            # purged, so such a run could never resume.
+            return "DeepSpeed's NVMe swapping can't checkpoint and resume a LoRA run (swapped optimizer states don't reload; parameter swapping fails, DeepSpeed #3062); use --offload cpu"
+        return None
+
+    def __init__(self, cfg, device: torch.device):
+        import deepspeed
+
+        self.cfg = cfg
+        self.device = device
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        self.config = deepspeed_config(cfg)
+        self.zero3 = cfg.zero == 3
+
+    # --- loading -------------------------------------------------------------------------------
+    def load(self, base_path: str, add_adapter):
+        cfg = self.cfg
+        quantized = cfg.precision in ("8bit", "4bit")
+        if self.zero3 and not quantized:
+            # Must exist (and stay referenced) while from_pretrained runs: transformers then
+            # builds the model under zero.Init, so each rank only ever holds its partition.
+            self.hf_deepspeed = hf_deepspeed_config(self.config)
+        # Quantized weights can't be built under zero.Init (transformers skips it for them): each
+        # rank quantizes the base onto its device as the shards arrive, and deepspeed.initialize
+        # partitions it afterwards (4-bit stored as bf16 words, so ZeRO can split it).
+        base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3)
+        if self.zero3 and quantized:
+            self.hf_deepspeed = hf_deepspeed_config(self.config)
+        self.model = add_adapter(base)
+        return self.model
+
+    def _lora_params(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def load_adapter(self, path: Path) -> None:
+        if self.zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=0):
+                load_adapter_weights(self.model, path)
+        else:
+            load_adapter_weights(self.model, path)
+
+    def prepare(self, model, total_steps: int) -> None:
+        import deepspeed
+
+        cfg = self.cfg
+        self.model = model
+        params = self._lora_params()
+        if cfg.offload != "none":
+            # Offloaded optimizer states live in host RAM and are stepped there: bitsandbytes'
+            # 8-bit AdamW only runs where the states are on the device, so DeepSpeed's vectorised
+            # CPU Adam (AdamW mode) does it; its op is compiled on first use and cached.
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            instead = "" if cfg.optim == "adamw" else f" ({cfg.optim} can't run on offloaded states)"
+            log.info("optimizer: DeepSpeed's CPU Adam (AdamW mode) steps the offloaded states on the host%s", instead)
+            optimizer = DeepSpeedCPUAdam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_mode=True)
+        else:
+            optimizer = common.build_optimizer(cfg.optim, params, cfg.lr, cfg.weight_decay)
+        scheduler = common.build_scheduler(cfg, optimizer, total_steps)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config)
+        self.pending = 0
+
+    # --- steps ---------------------------------------------------------------------------------
+    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+        self.ds.train()
+        with common.autocast(self.cfg.precision, self.device):
+            out = self.ds(**common.to_device(batch, self.device), num_items_in_batch=num_label_tokens)
+        self.ds.backward(out.loss, scale_wrt_gas=False)
+        self.pending += 1
+        if self.pending < self.cfg.grad_accum:
+            self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step
+        return out.loss.detach().float()
+
+    def step(self) -> tuple[float, bool]:
+        self.ds.step()  # the boundary: reduce, clip, optimizer and scheduler step, zero grads
+        self.pending = 0
+        norm = self.ds.get_global_grad_norm()
+        grad_norm = float(norm) if norm is not None else float("nan")
+        return grad_norm, math.isfinite(grad_norm)
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+        self.pending = 0
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def evaluate(self, batches) -> tuple[float, int]:
+        return common.evaluate(self.ds, batches, self.cfg.precision, self.device)  # ZeRO-3: collective
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """Under ZeRO-3 only the LoRA weights are gathered (never the base): saving costs the
+        adapter's size, not the model's."""
+        if self.zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=None):
+                return trainable_state_dict(self.model)
+        return trainable_state_dict(self.model)
+
+    def save_state(self, folder: Path) -> None:
+        r = dist.rank()
+        ckpt.save_safe_state(folder, f"training_state_rank{r}", {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
+        ckpt.save_rng(folder / f"rng_state_rank{r}.safetensors")
+
+    def load_state(self, folder: Path) -> None:
+        r = dist.rank()
+        state = ckpt.load_safe_state(folder, f"training_state_rank{r}")
+        live = self.optimizer.state_dict()
+        saved = state["optimizer"]
+        for key, value in live.items():  # objects the safe format dropped: take the live ones
+            if key in saved and (saved[key] is None or type(saved[key]) is not type(value)) and not torch.is_tensor(value):
+                saved[key] = value
+        # ZeRO takes the list of every rank's partition and picks its own by rank; each rank
+        # saved and reloads only its own, so the list holds that one at every index.
+        self.optimizer.load_state_dict([saved] * dist.world_size())
+        self.scheduler.load_state_dict(state["scheduler"])
+        replay_cpu_adam_steps(self.optimizer.optimizer)
+        ckpt.load_rng(folder / f"rng_state_rank{r}.safetensors")
+
+    def memory_report(self) -> str | None:
+        """What this rank holds of the frozen base after ZeRO-3 partitioned it (quantized bases
+        count their packed storage elements)."""
+        if not self.zero3:
+            return None
+        base = [p for p in self.model.parameters() if not p.requires_grad]
+        local = sum(p.ds_tensor.ds_numel for p in base)
+        full = sum(p.ds_numel for p in base)
+        return f"zero-3: rank {dist.rank()} holds {local:,} of {full:,} base parameters"
+
+
+def deepspeed_config(cfg) -> dict:
+    config = json.loads(Path(cfg.zero_config).read_text()) if cfg.zero_config else {}
+    zero = dict(config.get("zero_optimization", {}))
+    zero["stage"] = cfg.zero
+    if cfg.offload == "cpu":
+        zero["offload_optimizer"] = {"device": "cpu", **zero.get("offload_optimizer", {})}
+        if cfg.zero == 3:
+            zero["offload_param"] = {"device": "cpu", **zero.get("offload_param", {})}
+    config["zero_optimization"] = zero
+    # Explicit numbers: DeepSpeed's "auto" fill miscounts the world size on CPU.
+    config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+    config["gradient_accumulation_steps"] = cfg.grad_accum
+    config["train_batch_size"] = cfg.micro_batch_size * cfg.grad_accum * dist.world_size()
+    config["gradient_clipping"] = cfg.max_grad_norm
+    # LoRA weights are fp32 already and autocast runs the compute dtype, so DeepSpeed keeps no
+    # extra master copy and needs no loss scaler.
+    config["bf16"] = {"enabled": False}
+    config["fp16"] = {"enabled": False}
+    config["zero_allow_untested_optimizer"] = True
+    config.setdefault("steps_per_print", 10**9)
+    return config
+
+
+def hf_deepspeed_config(ds_config: dict):
+    """Tell transformers (and peft) that ZeRO-3 is on; the object must stay referenced."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+def replay_cpu_adam_steps(optimizer) -> None:
+    """Make a resumed DeepSpeed CPU Adam continue bit for bit.
+
+    Its C++ side keeps beta^t and advances it by one multiplication per step; a fresh optimizer
+    loaded at step k would compute pow(beta, k + 1) instead, which differs in the last bits. Replaying
+    the k multiplications on a one-element scratch tensor restores the exact value.
+    """
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    if not isinstance(optimizer, DeepSpeedCPUAdam):
+        return
+    steps = max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+    group = optimizer.param_groups[0]
+    beta1, beta2 = group["betas"]
+    scratch = [torch.zeros(1) for _ in range(4)]  # weight, grad, exp_avg, exp_avg_sq
+    for step in range(1, steps + 1):
+        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"], *scratch)

@@ -1,0 +1,194 @@
+"""PyTorch FSDP2: `fully_shard` per decoder layer and on the root, optional CPU offload.
+
+Weights, LoRA weights, gradients and optimizer states are all split across ranks (like ZeRO-3).
+The base is streamed in layer by layer (`lora_tune.layerwise`): each decoder layer is read,
+quantized when 4-bit, given its LoRA weights and sharded before the next is read, so no rank and
+no host ever holds the whole model. bf16 runs under a mixed-precision policy (weights gathered and
+computed in bf16, gradients reduced in fp32) while the LoRA weights stay fp32 in their shards.
+
+The optimizer steps each rank's local shards directly (plain tensors that share the shards'
+storage). That lets bitsandbytes' 8-bit AdamW, which can't take DTensors, run here too, and keeps
+the checkpointed optimizer state plain per-rank tensors (safetensors, no pickle).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+
+from lora_tune import checkpoint as ckpt
+from lora_tune import distributed as dist
+from lora_tune.adapter import materialize_lora, trainable_state_dict
+from lora_tune.engines import common
+from lora_tune.errors import UserError
+
+log = logging.getLogger("lora_tune")
+
+
+class FSDPEngine:
+    name = "fsdp"
+    ZERO_STAGES = (0,)  # FSDP2 has no stages: it always shards weights, gradients and states
+    skips_overflow = False
+
+    @staticmethod
+    def refusal(precision: str, zero: int, offload: str) -> str | None:
+        if zero:
+            return "--zero is DeepSpeed's; FSDP2 always shards weights, gradients and optimizer states"
+        if precision == "fp16":
+            return "fp16 needs a loss scaler, which FSDP2 runs don't wire; use --precision bf16 (Ampere or newer)"
+        if precision == "8bit":
+            return "8-bit (LLM.int8) weights can't be sharded by FSDP2 (bitsandbytes keeps each whole int8 matrix per rank); use --precision 4bit or bf16 with --backend fsdp, or 8bit with --zero 2"
+        if offload == "nvme":
+            return "FSDP2 offloads to host memory only; use --offload cpu"
+        return None
+
+    def __init__(self, cfg, device: torch.device):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.cfg = cfg
+        self.device = device
+        if not torch.distributed.is_initialized():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        self.mesh = init_device_mesh(device.type, (dist.world_size(),))
+
+    # --- loading -------------------------------------------------------------------------------
+    def _policies(self) -> dict:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        kwargs = {"mesh": self.mesh}
+        if self.cfg.precision in ("bf16", "4bit"):
+            # Gather and compute in bf16 (4-bit weights are bf16 words already); the fp32 LoRA
+            # shards are what the optimizer updates, and gradients are reduced in fp32.
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # Pinned host memory only exists next to a GPU.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cfg.offload == "cpu" else OffloadPolicy()
+        return kwargs
+
+    def load(self, base_path: str, add_adapter):
+        from torch.distributed.fsdp import fully_shard
+
+        from lora_tune import layerwise
+
+        cfg = self.cfg
+        try:
+            # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor.
+            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16)
+        except layerwise.NotStreamable as e:
+            raise UserError(f"--backend fsdp: {base_path} can't be loaded layer by layer ({e}); use --zero 3") from None
+        model = add_adapter(skeleton)
+        policies = self._policies()
+        seed = model.lora_tune_seed
+        # Offloaded shards live on the host; the layers are still filled (and quantized) on the device.
+        layerwise.load_layer_by_layer(
+            model, reader, self.device, cfg.precision,
+            init_adapter=lambda unit, name: materialize_lora(unit, name, seed, self.device),
+            partition=lambda layer: fully_shard(layer, **policies),
+            partition_root=lambda root: fully_shard(root, **policies),
+        )
+        self.model = model
+        return model
+
+    def _lora_params(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def load_adapter(self, path: Path) -> None:
+        """The saved (whole) adapter, split into this rank's shards."""
+        from safetensors.torch import load_file
+        from torch.distributed.tensor import distribute_tensor
+
+        file = path / "adapter_model.safetensors"
+        try:
+            saved = load_file(str(file))
+        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError for a truncated file
+            raise UserError(f"{file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+        for name, p in self._lora_params():
+            key = name.replace(".default", "")
+            if key not in saved:
+                raise UserError(f"{file} does not match this LoRA configuration ({key} missing)")
+            shard = distribute_tensor(saved[key].to(p.device, p.dtype), p.device_mesh, p.placements)
+            with torch.no_grad():
+                p.to_local().copy_(shard.to_local())
+
+    def prepare(self, model, total_steps: int) -> None:
+        cfg = self.cfg
+        self.model = model
+        self.params = [p for _, p in self._lora_params()]
+        # The optimizer sees each shard as a plain tensor (same storage): see the module docstring.
+        self.local = [p.to_local().detach() for p in self.params]
+        self.optimizer = common.build_optimizer(cfg.optim, self.local, cfg.lr, cfg.weight_decay)
+        self.scheduler = common.build_scheduler(cfg, self.optimizer, total_steps)
+
+    # --- steps ---------------------------------------------------------------------------------
+    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+        self.model.train()
+        # fp32 runs as is; bf16 and 4-bit compute in bf16 through the mixed-precision policy.
+        out = self.model(**common.to_device(batch, self.device), num_items_in_batch=num_label_tokens)
+        out.loss.backward()
+        return out.loss.detach().float()
+
+    def step(self) -> tuple[float, bool]:
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grads = [p for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(grads, max_norm)  # over the DTensor shards: collective
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        applied = math.isfinite(grad_norm)
+        if applied:
+            for p, local in zip(self.params, self.local):
+                local.grad = p.grad.to_local().detach() if p.grad is not None else None
+            self.optimizer.step()
+        self.zero_grad()
+        self.scheduler.step()
+        return grad_norm, applied
+
+    def zero_grad(self) -> None:
+        for p, local in zip(self.params, self.local):
+            p.grad = None
+            local.grad = None
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> tuple[float, int]:
+        from lora_tune.data import label_tokens
+
+        self.model.eval()
+        total, tokens = 0.0, 0
+        for batch in batches:
+            n = label_tokens(batch)
+            out = self.model(**common.to_device(batch, self.device), num_items_in_batch=n)
+            total += float(out.loss) * n
+            tokens += n
+        self.model.train()
+        return total, tokens
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        """Only the LoRA shards are gathered (small), never the base."""
+        full = {n: p.full_tensor().detach().cpu() for n, p in self._lora_params()}
+        return trainable_state_dict(self.model, full)
+
+    def save_state(self, folder: Path) -> None:
+        r = dist.rank()
+        ckpt.save_safe_state(folder, f"training_state_rank{r}", {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
+        ckpt.save_rng(folder / f"rng_state_rank{r}.safetensors")
+
+    def load_state(self, folder: Path) -> None:
+        r = dist.rank()
+        state = ckpt.load_safe_state(folder, f"training_state_rank{r}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        ckpt.load_rng(folder / f"rng_state_rank{r}.safetensors")
+
+    def memory_report(self) -> str | None:
+        base = [p for p in self.model.parameters() if not p.requires_grad]
+        local = sum(p.to_local().numel() for p in base)
+        full = sum(p.numel() for p in base)
+        where = "host (CPU offload)" if self.cfg.offload == "cpu" else str(self.device)
+        return f"fsdp: rank {dist.rank()} holds {local:,} of {full:,} base parameters on {where}"

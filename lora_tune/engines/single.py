@@ -1,0 +1,108 @@
+"""One process, one device: the base loads whole (quantized as it streams in, with bitsandbytes),
+gradients and optimizer states stay with it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from lora_tune import checkpoint as ckpt
+from lora_tune.adapter import load_adapter_weights, trainable_state_dict
+from lora_tune.engines import common
+from lora_tune.model_loading import load_base_model
+
+
+class SingleDeviceEngine:
+    name = "single"
+    ZERO_STAGES = (0,)
+
+    @staticmethod
+    def refusal(precision: str, zero: int, offload: str) -> str | None:
+        if offload != "none":
+            return "--offload needs a sharding backend: --zero 1|2|3 (DeepSpeed) or --backend fsdp"
+        return None
+
+    def __init__(self, cfg, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        # fp16 has a narrow exponent range: scale the loss so small gradients don't flush to zero.
+        self.scaler = torch.amp.GradScaler(device.type) if cfg.precision == "fp16" else None
+        self.skips_overflow = self.scaler is not None
+
+    # --- loading -------------------------------------------------------------------------------
+    def load(self, base_path: str, add_adapter):
+        cfg = self.cfg
+        base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin)
+        self.model = add_adapter(base)
+        return self.model
+
+    def load_adapter(self, path: Path) -> None:
+        load_adapter_weights(self.model, path)
+
+    def prepare(self, model, total_steps: int) -> None:
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = common.build_optimizer(self.cfg.optim, self.params, self.cfg.lr, self.cfg.weight_decay)
+        self.scheduler = common.build_scheduler(self.cfg, self.optimizer, total_steps)
+
+    # --- steps ---------------------------------------------------------------------------------
+    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+        self.model.train()
+        with common.autocast(self.cfg.precision, self.device):
+            out = self.model(**common.to_device(batch, self.device), num_items_in_batch=num_label_tokens)
+        loss = out.loss
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        return loss.detach().float()
+
+    def step(self) -> tuple[float, bool]:
+        """Clip, step the optimizer and the schedule. A non-finite gradient norm skips the update
+        (the scaler does this itself for fp16, where an overflow only lowers the scale)."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        applied = math.isfinite(grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        elif applied:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return grad_norm, applied
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def evaluate(self, batches) -> tuple[float, int]:
+        return common.evaluate(self.model, batches, self.cfg.precision, self.device)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return trainable_state_dict(self.model)
+
+    def save_state(self, folder: Path) -> None:
+        # Tensors and plain numbers only: loaded back with weights_only=True.
+        ckpt.save_torch_state(folder / "training_state.pt", {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler else None,
+        })
+        ckpt.save_rng(folder / "rng_state.safetensors")
+
+    def load_state(self, folder: Path) -> None:
+        state = ckpt.load_torch_state(folder / "training_state.pt")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        ckpt.load_rng(folder / "rng_state.safetensors")
+
+    def memory_report(self) -> str | None:
+        return None

@@ -1,0 +1,176 @@
+"""Load a base one decoder layer at a time, so a sharding backend partitions each layer before the
+next one is read: no rank (and no host) ever holds more than its partition plus about one layer.
+
+The model is built on the meta device (no memory), the adapter is injected there too, and then
+each decoder layer is filled from the safetensors shards (memory-mapped, read tensor by tensor),
+quantized on the device when the base is 8-bit or 4-bit, its LoRA weights initialised, and handed
+to `partition(layer)`; the rest of the model (embeddings, final norm, head) follows last.
+
+Only checkpoints whose tensor names are the model's own names can be streamed this way; those that
+transformers renames or fuses on load (some MoE and older layouts) raise `NotStreamable`, and the
+caller falls back to a whole load and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from lora_tune.model_loading import WEIGHT_DTYPE
+
+log = logging.getLogger("lora_tune")
+
+
+class NotStreamable(Exception):
+    """This checkpoint can't be loaded layer by layer (the message says why)."""
+
+
+class CheckpointReader:
+    """Tensor by tensor access to a model folder's safetensors shards (memory-mapped)."""
+
+    def __init__(self, folder: str):
+        root = Path(folder)
+        index = root / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {key: root / name for key, name in weight_map.items()}
+        elif (root / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(root / "model.safetensors"), "pt") as f:
+                self.files = {key: root / "model.safetensors" for key in f.keys()}
+        else:
+            raise NotStreamable(f"{folder} has no safetensors weights on this machine")
+        self._open: dict[Path, object] = {}
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        path = self.files[key]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), "pt")
+        return self._open[path].get_tensor(key)
+
+
+def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each repeated block: the classes transformers never splits across devices."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    classes = set(getattr(base, "_no_split_modules", None) or ())
+    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ in classes]
+    if not layers:
+        raise NotStreamable(f"{type(base).__name__} declares no decoder-layer class (_no_split_modules)")
+    return layers
+
+
+def checkpoint_key(name: str) -> str:
+    """The checkpoint's name of a parameter of the (peft-wrapped) model."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quant_storage: torch.dtype | None = None):
+    """(model on the meta device, reader of its checkpoint). The model has bitsandbytes layers in place of the block linears when
+    quantized; it holds no memory. Raises NotStreamable when the checkpoint's names don't match."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
+    reader = CheckpointReader(base_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code)
+    model.config.use_cache = False
+    tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    missing = [k for k in model.state_dict() if k not in reader and k not in tied]
+    if missing:
+        raise NotStreamable(f"the checkpoint names its tensors differently from the model ({missing[0]} not found)")
+    if precision in ("8bit", "4bit"):
+        _quantized_linears(model, precision, quant_storage)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model, reader
+
+
+def _quantized_linears(model, precision: str, quant_storage: torch.dtype | None) -> None:
+    """Swap every nn.Linear of the decoder layers for its bitsandbytes twin (still on meta); the
+    head and embeddings stay in the compute dtype, as transformers' bitsandbytes integration keeps them."""
+    import bitsandbytes as bnb
+
+    for layer_name, layer in decoder_layers(model):
+        for name, child in list(layer.named_modules()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
+            with torch.device("meta"):
+                if precision == "4bit":
+                    new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=torch.bfloat16,
+                                            compress_statistics=True, quant_type="nf4", quant_storage=quant_storage or torch.uint8)
+                else:
+                    new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False, threshold=6.0)
+            setattr(parent, name.rsplit(".", 1)[-1], new)
+
+
+def _set_weight(module, name: str, value: torch.Tensor, device: torch.device) -> None:
+    """Put a checkpoint tensor into the module, quantizing it on the device where the module is a
+    bitsandbytes layer (the same calls transformers' integration makes)."""
+    import bitsandbytes as bnb
+
+    old = getattr(module, name)
+    if isinstance(module, bnb.nn.Linear4bit) and name == "weight":
+        new = bnb.nn.Params4bit(value, requires_grad=False, blocksize=old.blocksize, compress_statistics=old.compress_statistics,
+                                quant_type=old.quant_type, quant_storage=old.quant_storage, module=module).to(device)
+    elif isinstance(module, bnb.nn.Linear8bitLt) and name == "weight":
+        new = bnb.nn.Int8Params(value, requires_grad=False, has_fp16_weights=False).to(device)
+    elif isinstance(old, torch.nn.Parameter):
+        new = torch.nn.Parameter(value.to(device), requires_grad=False)
+    else:
+        module.register_buffer(name, value.to(device), persistent=name not in module._non_persistent_buffers_set)
+        return
+    setattr(module, name, new)
+
+
+def fill(unit: torch.nn.Module, unit_name: str, reader: CheckpointReader, config, device: torch.device, dtype: torch.dtype) -> None:
+    """Every meta tensor of `unit` that the checkpoint holds, read and placed on `device`;
+    non-persistent buffers (rotary frequencies) recomputed by rebuilding their module there."""
+    prefix = f"{unit_name}." if unit_name else ""
+    for module_name, module in unit.named_modules():
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if tensor.device.type != "meta":
+                continue
+            key = checkpoint_key(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}")
+            if key in reader:
+                value = reader.get(key)
+                _set_weight(module, name, value.to(dtype) if value.is_floating_point() else value, device)
+        meta_buffers = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
+        if meta_buffers:
+            try:
+                with torch.device(device):
+                    fresh = type(module)(config=config)
+            except TypeError as e:
+                raise NotStreamable(f"can't rebuild the buffers of {type(module).__name__} ({e})") from None
+            for n in meta_buffers:
+                module.register_buffer(n, getattr(fresh, n), persistent=n not in module._non_persistent_buffers_set)
+
+
+def load_layer_by_layer(skeleton, reader: CheckpointReader, device: torch.device, precision: str, init_adapter: Callable[[torch.nn.Module, str], None],
+                        partition: Callable[[torch.nn.Module], None], partition_root: Callable[[torch.nn.Module], None]) -> None:
+    """Fill the (adapter-injected) skeleton: each decoder layer, then its adapter weights
+    (`init_adapter`), then `partition(layer)`; the remaining modules last, then `partition_root`."""
+    dtype = WEIGHT_DTYPE[precision]
+    base = skeleton.get_base_model() if hasattr(skeleton, "get_base_model") else skeleton
+    for name, layer in decoder_layers(skeleton):
+        fill(layer, name, reader, base.config, device, dtype)
+        init_adapter(layer, name)
+        partition(layer)
+    fill(skeleton, "", reader, base.config, device, dtype)
+    init_adapter(skeleton, "")
+    if getattr(base.config, "tie_word_embeddings", False):
+        base.tie_weights()
+    leftover = [n for n, p in list(skeleton.named_parameters()) + list(skeleton.named_buffers()) if p.device.type == "meta"]
+    if leftover:
+        raise RuntimeError(f"layer-by-layer loading left {len(leftover)} tensors unfilled, e.g. {leftover[0]}")
+    partition_root(skeleton)
