@@ -13,6 +13,7 @@ states (safetensors).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -255,3 +256,69 @@ def load_safe_state(folder: Path, name: str):
     except (SafetensorError, OSError, json.JSONDecodeError) as e:
         raise UserError(f"{folder / name}.* is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
     return from_safe(skeleton, tensors)
+
+
+# --- one writer per output folder ----------------------------------------------------------------
+LOCK_NAME = ".lora-tune.lock"
+LOCK_ENV = "LORA_TUNE_LOCK_HELD"  # set for the ranks of a job whose launcher holds the lock
+
+
+def lock_holder(output_dir: Path) -> str | None:
+    """Who holds the output folder's lock ("pid N on HOST since T"), or None. Writes nothing."""
+    import fcntl
+
+    path = output_dir / LOCK_NAME
+    if os.environ.get(LOCK_ENV) == str(path.resolve()) or not path.is_file():
+        return None
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return f.read().strip() or "another process"
+        fcntl.flock(f, fcntl.LOCK_UN)
+    return None
+
+
+class OutputLock:
+    """An exclusive flock on OUTPUT_DIR/.lora-tune.lock for as long as the run writes there.
+
+    The kernel drops the lock when its process dies, however it dies, so a lock left by a killed
+    run never blocks the next one (the file is only a note of who held it last)."""
+
+    def __init__(self, output_dir: Path):
+        self.path = output_dir / LOCK_NAME
+        self.file = None
+
+    def acquire(self) -> "OutputLock":
+        import fcntl
+        import socket
+        import time
+
+        if os.environ.get(LOCK_ENV) == str(self.path.resolve()):
+            return self  # our launcher holds it for the whole job
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            f.close()
+            raise UserError(f"--output-dir: {self.path.parent} is being written by another lora-tune run ({holder}); wait for it to end or choose another --output-dir") from None
+        f.seek(0)
+        previous = f.read().strip()
+        if previous:
+            logging.getLogger("lora_tune").info("took over the lock of %s, left by a run that is no longer running (%s)", self.path.parent, previous)
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self.file = f
+        return self
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.seek(0)
+            self.file.truncate()  # a clean end leaves no note behind
+            self.file.close()  # closing drops the flock
+            self.file = None

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import typing
+from pathlib import Path
 from typing import Any
 
 from lora_tune.config import MergeConfig, PlanConfig, TrainConfig, build_config, flag, read_yaml
@@ -140,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
+            from lora_tune import checkpoint as ckpt
             from lora_tune import distributed, engines
             from lora_tune.train import Recipe, TrainingStopped, run
 
@@ -149,12 +152,28 @@ def main(argv: list[str] | None = None) -> int:
                 # Its summaries (data, memory plan) are left to rank 0, which prints them again.
                 logging.getLogger("lora_tune").setLevel(logging.WARNING)
                 Recipe(cfg).check_inputs()
-                return distributed.launch(without_flags(argv, "--nproc"), cfg.nproc or 1)
+                resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
+                # The launcher holds the output folder's lock for the whole job; its ranks know.
+                lock = ckpt.OutputLock(Path(cfg.output_dir).expanduser()).acquire()
+                os.environ[ckpt.LOCK_ENV] = str(lock.path.resolve())
+                try:
+                    return distributed.launch(without_flags(argv, "--nproc"), cfg.nproc or 1, cfg.output_dir, resume)
+                finally:
+                    lock.release()
+                    os.environ.pop(ckpt.LOCK_ENV, None)
             try:
                 run(cfg)
             except TrainingStopped as stop:
                 print(f"{stop.label}: {stop}", file=sys.stderr)
                 return stop.exit_code
+            except Exception as e:
+                if not distributed.lost_peer(e):
+                    raise
+                # Another rank died (killed, crashed): this one can't go on. Under our launcher
+                # the launcher says what happened, once; under torchrun each rank says it here.
+                if "LORA_TUNE_LAUNCHER" not in os.environ:
+                    print(f"error: rank {distributed.rank()} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); resume with --resume", file=sys.stderr)
+                return distributed.LOST_PEER_EXIT
             return 0
         if args.command == "plan":
             from lora_tune import plan

@@ -73,6 +73,9 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
     out = Path(cfg.output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir: {out} is a file; give a folder")
+    holder = ckpt.lock_holder(out) if dist.is_main() else None  # rank 0 takes the lock for the job
+    if holder:
+        raise UserError(f"--output-dir: {out} is being written by another lora-tune run ({holder}); wait for it to end or choose another --output-dir")
     complete, incomplete = ckpt.list_checkpoints(out)
     holds_run = bool(complete or incomplete) or any((out / f).exists() for f in RUN_FILES)
     if not cfg.resume:
@@ -166,6 +169,8 @@ class Recipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.check_inputs()
+        # One writer per output folder; taken after the checks, so bad input writes nothing.
+        self.lock = ckpt.OutputLock(self.output_dir).acquire() if dist.is_main() else None
         # Only now, with every input checked, the expensive part. The engine decides how the base
         # is loaded and partitioned and when the adapter goes in.
         self.engine = engines.create(cfg, self.device)
@@ -366,6 +371,9 @@ class Recipe:
         metrics = getattr(self, "metrics", None)
         if metrics:
             metrics.close()
+        lock = getattr(self, "lock", None)
+        if lock:
+            lock.release()
 
 
 def run(cfg: TrainConfig) -> None:

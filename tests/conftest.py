@@ -89,3 +89,20 @@ def single_error_line(err: str) -> str:
     assert len(lines) == 1, err
     assert "Traceback" not in err, err
     return lines[0]
+
+
+def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 1500) -> list[dict]:
+    """Run CLI jobs one after another inside one `nproc`-process job (see distributed_jobs.py)."""
+    import socket
+
+    jobs_file = folder / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs, default=str))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    worker = Path(__file__).resolve().parent / "distributed_jobs.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(jobs_file)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "LOCAL_SIZE": str(nproc)})
+    results = Path(str(jobs_file) + ".results")
+    assert proc.returncode == 0 and results.is_file(), proc.stderr[-4000:]
+    return json.loads(results.read_text())

@@ -210,3 +210,24 @@ def test_trust_remote_code_is_off_unless_asked_and_warns(tiny_model, data_files,
     assert code == 0 and "trust_remote_code is on" not in err
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "b", max_steps=1, trust_remote_code=True), capsys)
     assert code == 0 and "trust_remote_code is on" in err
+
+
+def test_a_second_run_on_the_same_output_dir_is_refused_and_a_dead_runs_lock_is_taken_over(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = dict(max_steps=400, save_steps=2)
+    first = start(fast_train_args(tiny_model, data_files["alpaca"], out, **args))
+    deadline = time.time() + 120
+    while metrics_lines(out) < 3 and first.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert first.poll() is None, "the first run must still be training"
+    # Even with --resume (which would otherwise continue from the first run's checkpoints).
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, resume=True, **args), capsys)
+    assert code == 2
+    line = single_error_line(err)
+    assert "is being written by another lora-tune run" in line and f"pid {first.pid}" in line
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, resume=True, max_steps=6, save_steps=2), capsys)
+    assert code == 0, err
+    assert f"left by a run that is no longer running (pid {first.pid}" in err and "resumed from" in err
+    assert (out / ".lora-tune.lock").read_text() == "", "a clean end leaves no holder behind"

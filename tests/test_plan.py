@@ -52,6 +52,32 @@ def test_zero3_divides_the_sharded_states_by_the_world_size(n, capsys):
     assert zero2["weights_bytes"] == single["weights_bytes"] and zero2["gradients_bytes"] == pytest.approx(single["gradients_bytes"] / n, abs=1)
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_zero1_and_fsdp_shard_what_they_shard(n, capsys):
+    single = plan_json(capsys, "--base", "llama-70b", "--precision", "bf16")["per_device"]
+    zero1 = plan_json(capsys, "--base", "llama-70b", "--precision", "bf16", "--zero", "1", "--gpus", str(n))["per_device"]
+    assert zero1["optimizer_bytes"] == pytest.approx(single["optimizer_bytes"] / n, abs=1)
+    assert zero1["gradients_bytes"] == single["gradients_bytes"] and zero1["weights_bytes"] == single["weights_bytes"]
+    fsdp = plan_json(capsys, "--base", "llama-70b", "--precision", "bf16", "--backend", "fsdp", "--gpus", str(n))["per_device"]
+    _, layer = plan.base_weight_bytes(LLAMA3_70B, "bf16")
+    # Its own shard plus two unsharded layers: the one computing and the one being prefetched.
+    assert fsdp["weights_bytes"] - 2 * layer == pytest.approx(single["weights_bytes"] / n, abs=1)
+    for key in ("trainable_bytes", "gradients_bytes", "optimizer_bytes"):
+        assert fsdp[key] == pytest.approx(single[key] / n, abs=1), key
+    offloaded = plan_json(capsys, "--base", "llama-70b", "--precision", "4bit", "--backend", "fsdp", "--offload", "cpu", "--gpus", str(n))
+    _, layer4 = plan.base_weight_bytes(LLAMA3_70B, "4bit")
+    device = offloaded["per_device"]
+    assert device["weights_bytes"] == 2 * layer4 and device["optimizer_bytes"] == device["gradients_bytes"] == device["trainable_bytes"] == 0
+    whole4, _ = plan.base_weight_bytes(LLAMA3_70B, "4bit")
+    assert offloaded["host"]["offloaded_weights_bytes"] == pytest.approx(whole4, abs=n)  # every rank's shard, on the host
+
+
+def test_qlora_70b_on_two_24gb_gpus_fits_with_fsdp_and_offload(capsys):
+    """Answer.AI's FSDP+QLoRA setup: Llama-2-70B on 2 x 24 GB with CPU offload (their 14.9 GiB peak)."""
+    result = plan_json(capsys, "--base", "llama2-70b", "--precision", "4bit", "--backend", "fsdp", "--offload", "cpu", "--gpus", "2", "--gpu-memory", "rtx4090", "--max-seq-len", "2048", "--micro-batch-size", "2")
+    assert result["fits"] is True and result["per_device"]["total_bytes"] < 20 * plan.GIB
+
+
 def _measured_model_states(model, engine) -> dict[str, int]:
     def nbytes(t):
         return t.numel() * t.element_size()

@@ -62,3 +62,9 @@ def test_quick_start_training_runs_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "demo" / "adapter_model.safetensors").is_file()
     assert "tok/s" in proc.stderr and "peak" in proc.stderr
+
+
+def test_readme_matrix_is_the_one_the_engines_declare():
+    from lora_tune.engines import matrix_markdown
+
+    assert matrix_markdown() in (ROOT / "README.md").read_text()

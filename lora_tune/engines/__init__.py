@@ -158,17 +158,25 @@ def create(cfg, device: torch.device) -> Engine:
 
 
 def matrix_markdown() -> str:
-    """The compatibility matrix as the README shows it, generated from the backends' cells."""
-    columns = [(b, z, o) for b in BACKENDS for z in backend_class(b).ZERO_STAGES for o in ("none", "cpu")]
+    """The compatibility matrix as the README shows it, generated from the backends' cells: one
+    row per backend setup, one column per precision, each refusal's reason as a numbered note;
+    setups refused for every precision are listed below it with their reason."""
     names = {"single": "one device", "fsdp": "FSDP2"}
-
-    def head(b, z, o):
-        name = names.get(b) or f"ZeRO-{z}"
-        return name + (" + CPU offload" if o == "cpu" else "")
-
-    columns = [c for c in columns if not (c[0] == "single" and c[2] == "cpu")]
-    lines = ["| precision | " + " | ".join(head(*c) for c in columns) + " |", "|---|" + "---|" * len(columns)]
-    for p in PRECISIONS:
-        row = ["✓" if refusal(b, p, z, o) is None else "refused" for b, z, o in columns]
-        lines.append(f"| {p} | " + " | ".join(row) + " |")
-    return "\n".join(lines)
+    reasons: list[str] = []
+    lines = ["| backend | " + " | ".join(PRECISIONS) + " |", "|---|" + "---|" * len(PRECISIONS)]
+    not_offered = []
+    for backend in BACKENDS:
+        for zero in backend_class(backend).ZERO_STAGES:
+            for offload in OFFLOADS:
+                name = (names.get(backend) or f"ZeRO-{zero}") + {"none": "", "cpu": " + CPU offload", "nvme": " + NVMe offload"}[offload]
+                row = [refusal(backend, precision, zero, offload) for precision in PRECISIONS]
+                if all(row):
+                    not_offered.append(f"- {name}: {row[0]}")
+                    continue
+                for reason in row:
+                    if reason and reason not in reasons:
+                        reasons.append(reason)
+                cells = ["✓" if r is None else f"no ({reasons.index(r) + 1})" for r in row]
+                lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    notes = [f"{i}. {reason}" for i, reason in enumerate(reasons, start=1)]
+    return "\n".join(lines + [""] + notes + ["", "Not offered:"] + not_offered)
