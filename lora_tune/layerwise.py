@@ -74,7 +74,8 @@ def checkpoint_key(name: str) -> str:
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quant_storage: torch.dtype | None = None):
+def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quant_storage: torch.dtype | None = None,
+                   shardable_int8: bool = False):
     """(model on the meta device, reader of its checkpoint). The model has bitsandbytes layers in place of the block linears when
     quantized; it holds no memory. Raises NotStreamable when the checkpoint's names don't match."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -89,18 +90,20 @@ def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quan
     if missing:
         raise NotStreamable(f"the checkpoint names its tensors differently from the model ({missing[0]} not found)")
     if precision in ("8bit", "4bit"):
-        _quantized_linears(model, precision, quant_storage)
+        _quantized_linears(model, precision, quant_storage, shardable_int8)
     for p in model.parameters():
         p.requires_grad_(False)
     return model, reader
 
 
-def _quantized_linears(model, precision: str, quant_storage: torch.dtype | None) -> None:
+def _quantized_linears(model, precision: str, quant_storage: torch.dtype | None, shardable_int8: bool) -> None:
     """Swap every nn.Linear of the decoder layers for its bitsandbytes twin (still on meta); the
     head and embeddings stay in the compute dtype, as transformers' bitsandbytes integration keeps them."""
     import bitsandbytes as bnb
 
-    for layer_name, layer in decoder_layers(model):
+    from lora_tune.int8_sharded import ShardableLinear8bit
+
+    for _, layer in decoder_layers(model):
         for name, child in list(layer.named_modules()):
             if type(child) is not torch.nn.Linear:
                 continue
@@ -109,6 +112,8 @@ def _quantized_linears(model, precision: str, quant_storage: torch.dtype | None)
                 if precision == "4bit":
                     new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=torch.bfloat16,
                                             compress_statistics=True, quant_type="nf4", quant_storage=quant_storage or torch.uint8)
+                elif shardable_int8:
+                    new = ShardableLinear8bit(child.in_features, child.out_features, bias=child.bias is not None)
                 else:
                     new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False, threshold=6.0)
             setattr(parent, name.rsplit(".", 1)[-1], new)
@@ -124,7 +129,10 @@ def _set_weight(module, name: str, value: torch.Tensor, device: torch.device) ->
         new = bnb.nn.Params4bit(value, requires_grad=False, blocksize=old.blocksize, compress_statistics=old.compress_statistics,
                                 quant_type=old.quant_type, quant_storage=old.quant_storage, module=module).to(device)
     elif isinstance(module, bnb.nn.Linear8bitLt) and name == "weight":
-        new = bnb.nn.Int8Params(value, requires_grad=False, has_fp16_weights=False).to(device)
+        module.weight = bnb.nn.Int8Params(value, requires_grad=False, has_fp16_weights=False).to(device)
+        if hasattr(module, "take_quantized"):
+            module.take_quantized()
+        return
     elif isinstance(old, torch.nn.Parameter):
         new = torch.nn.Parameter(value.to(device), requires_grad=False)
     else:

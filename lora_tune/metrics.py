@@ -18,7 +18,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: peak allocated by tensors; CPU: peak resident set size of this process."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+    try:
+        # VmHWM is this process image's own peak; ru_maxrss carries the launcher's over fork + exec.
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
 def _jsonable(v):

@@ -37,21 +37,14 @@ def load_tokenizer(base_path: str, trust_remote_code: bool = False):
     return tokenizer
 
 
-def quantization_config(precision: str, zero3: bool = False):
+def quantization_config(precision: str):
     from transformers import BitsAndBytesConfig
 
     if precision == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     if precision == "4bit":
         # QLoRA's recipe: NF4 storage, double-quantised scales (~4.127 bits/param), bf16 matmuls.
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-            # ZeRO-3 partitions parameters of float dtypes: store the packed 4-bit words as bf16.
-            **({"bnb_4bit_quant_storage": torch.bfloat16} if zero3 else {}),
-        )
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
     return None
 
 
@@ -63,20 +56,20 @@ def has_safetensors(base_path: str) -> bool:
 
 
 def load_base_model(base_path: str, precision: str, device: torch.device, trust_remote_code: bool = False, allow_bin: bool = False, zero3: bool = False):
-    """The frozen base, on `device`, in `precision`; nothing trainable yet. `zero3`: full-precision
-    weights are built under zero.Init, where DeepSpeed places each rank's partition itself (no
-    device_map); quantized ones load whole and are partitioned by deepspeed.initialize."""
+    """The frozen base, on `device`, in `precision`; nothing trainable yet. `zero3`: the weights are
+    built under zero.Init (a bf16/fp32 base), where DeepSpeed places each rank's partition itself
+    (no device_map). Quantized bases under ZeRO-3 or FSDP2 are streamed by lora_tune.layerwise."""
     from transformers import AutoModelForCausalLM
 
     if not allow_bin and not has_safetensors(base_path):
         raise UserError(f"--base: {base_path} has only pickle (.bin) weights, which can run code when loaded; convert them to safetensors or pass --allow-bin if you trust them")
     kwargs = dict(dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code, use_safetensors=None if allow_bin else True)
-    quant = quantization_config(precision, zero3)
+    quant = quantization_config(precision)
     if quant is not None:
         kwargs["quantization_config"] = quant
     # device_map puts each weight straight onto its device while loading, so the host never holds
     # a second copy (and bitsandbytes quantises shard by shard as the weights arrive).
-    if not zero3 or quant is not None:
+    if not zero3:
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
     try:
         model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)

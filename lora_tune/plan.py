@@ -22,8 +22,8 @@ Everything is computed from config.json alone (shipped for aliases), never from 
   and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
 * ZeRO-2 divides gradients and optimizer states by the world size, ZeRO-3 also the weights (plus
   one gathered layer); offload moves optimizer states (ZeRO-3: also weights) to host RAM or NVMe.
-  Quantized bases under ZeRO-3 load whole on each device before being partitioned: that
-  loading peak counts too.
+  Bases under ZeRO-3 and FSDP2 are partitioned while they load (zero.Init, or layer by layer for
+  quantized ones and FSDP2), so loading never holds more than a shard plus one layer.
 """
 
 from __future__ import annotations
@@ -256,8 +256,8 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
             host["offloaded_weights_bytes"] = moved_weights * setup.gpus
         else:
             nvme = (offloaded + moved_weights) * setup.gpus
-    # Loading: ZeRO-3 partitions while loading; otherwise each process streams the checkpoint
-    # shard by shard (peak ~ one 5 GB shard) into its device.
+    # Loading: each process streams the checkpoint shard by shard (peak ~ one 5 GB shard) into
+    # its device, or layer by layer (ZeRO-3 quantized, FSDP2), which is less.
     host["loading_bytes"] = setup.gpus * min(5 * 10**9, base_weight_bytes(arch, "bf16")[0])
     host["total_bytes"] = sum(host.values())
     saved_act, peak_act = activation_bytes(arch, setup)
@@ -269,10 +269,6 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
         "activations_bytes": peak_act, "logits_bytes": peak_logits, "overhead_bytes": overhead,
     }
     per_device["total_bytes"] = sum(per_device.values())
-    if setup.zero == 3 and setup.precision in ("8bit", "4bit"):
-        # Quantized bases load whole on every device (zero.Init can't build them) and are only
-        # partitioned by deepspeed.initialize: loading peaks at the whole quantized base.
-        per_device["total_bytes"] = max(per_device["total_bytes"], base_weight_bytes(arch, setup.precision)[0] + CUDA_CONTEXT)
     return Estimate(trainable, per_device, host, nvme, saved_act + saved_logits)
 
 

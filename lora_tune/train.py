@@ -179,9 +179,7 @@ class Recipe:
         if self.saved_state:
             self.engine.load_adapter(self.resume_from)
         self.engine.prepare(self.model, self.total_steps)
-        report = self.engine.memory_report()
-        if report:
-            print(report, file=sys.stderr, flush=True)  # every rank: each says what it holds
+        self._report_memory("after loading")
         if self.saved_state:
             self.engine.load_state(self.resume_from)
             self.state = RunState(**{k: self.saved_state[k] for k in ("step", "tokens_seen", "bad_steps_in_a_row", "best_eval_loss")})
@@ -195,6 +193,11 @@ class Recipe:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad)
         log.info("trainable parameters: %s; %d optimizer steps; %s backend on %s", f"{trainable:,}", self.total_steps, self.engine.name, self.device)
+
+    def _report_memory(self, when: str) -> None:
+        report = self.engine.memory_report()
+        if report:  # every rank: each says what it holds
+            print(f"{report}, peak {peak_memory_bytes(self.device) / 2**30:.2f} GiB ({when})", file=sys.stderr, flush=True)
 
     # --- checkpoints --------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -280,6 +283,7 @@ class Recipe:
         cfg, state = self.cfg, self.state
         previous = {s: signal.signal(s, self._on_signal) for s in EXIT_SIGNAL}
         progress = Progress(self.total_steps, state.step) if dist.is_main() else None
+        reported = False
         try:
             while state.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -296,6 +300,9 @@ class Recipe:
                 except torch.OutOfMemoryError:
                     self._out_of_memory()
                 state.step += 1
+                if not reported:  # the first step is when layers build their lasting state (bitsandbytes does)
+                    self._report_memory(f"after step {state.step}")
+                    reported = True
                 step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
                 state.tokens_seen += step_tokens
                 seconds = time.perf_counter() - t0

@@ -91,7 +91,7 @@ def single_error_line(err: str) -> str:
     return lines[0]
 
 
-def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 1500) -> list[dict]:
+def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 900) -> list[dict]:
     """Run CLI jobs one after another inside one `nproc`-process job (see distributed_jobs.py)."""
     import socket
 

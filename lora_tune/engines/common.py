@@ -61,3 +61,52 @@ def evaluate(module, batches, precision: str, device: torch.device) -> tuple[flo
         tokens += n
     module.train()
     return total, tokens
+
+
+def base_tensor_bytes(model) -> tuple[int, int]:
+    """(bytes this rank holds, bytes of the whole) of every tensor reachable from the frozen base:
+    parameters as partitioned (a ZeRO-3 partition, an FSDP2 shard, or the tensor), buffers, and the
+    extra state bitsandbytes hangs on layers and weights (int8 CB/SCB, NF4 quant states), each
+    piece of memory counted once. This is the figure that shows whether a partition is real."""
+    import bitsandbytes as bnb
+
+    seen: set = set()
+    local = full = 0
+
+    def count(t, whole: int | None = None):
+        nonlocal local, full
+        if not torch.is_tensor(t) or t.device.type == "meta":
+            return
+        nbytes = t.numel() * t.element_size()
+        key = (t.data_ptr(), nbytes) if nbytes else id(t)  # the same memory seen through two names
+        if key in seen:
+            return
+        seen.add(key)
+        local += nbytes
+        full += whole if whole is not None else nbytes
+
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.requires_grad:
+                continue
+            whole = getattr(p, "ds_numel", p.numel()) * p.element_size()
+            if hasattr(p, "ds_tensor"):  # ZeRO-3: the partition, plus the data if kept gathered
+                count(p.ds_tensor, whole)
+                if p.data.numel():
+                    count(p.data, 0)
+            elif hasattr(p, "to_local"):  # FSDP2: the local shard
+                count(p.to_local(), whole)
+            else:
+                count(p.data)
+            for extra in ("CB", "SCB"):
+                count(getattr(p, extra, None))
+            state = getattr(p, "quant_state", None)
+            if state is not None:
+                for t in state.as_dict().values() if hasattr(state, "as_dict") else ():
+                    count(t)
+        for b in module.buffers(recurse=False):
+            count(b)
+        if isinstance(module, bnb.nn.Linear8bitLt):
+            count(module.state.CB)
+            count(module.state.SCB)
+    return local, full

@@ -21,6 +21,7 @@ from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
+from lora_tune.errors import UserError
 from lora_tune.model_loading import load_base_model
 
 log = logging.getLogger("lora_tune")
@@ -37,10 +38,6 @@ class DeepSpeedEngine:
             # DeepSpeed's fp16 mode casts the LoRA weights to fp16 under a loss scaler of its own; its
             # CPU backend has no fp16, so that path can't be tested here and is not offered.
             return "fp16 under ZeRO needs DeepSpeed's own loss scaler, which is not wired (untestable without a GPU); use --precision bf16 (Ampere or newer) or --zero 0"
-        if precision == "8bit" and zero == 3:
-            # Tried: DeepSpeed does partition the int8 data, but bitsandbytes keeps the whole matrix
-            # referenced as weight.CB, so every rank still holds the full base and nothing is saved.
-            return "8-bit (LLM.int8) weights can't be partitioned by ZeRO-3: bitsandbytes keeps each whole int8 matrix on every rank (weight.CB; bitsandbytes #1249); use --precision 4bit or bf16 with --zero 3, or 8bit with --zero 2"
         if offload == "nvme":
             # Tried with DeepSpeed 0.19 (libaio built): swapping parameters fails mid-forward ("Not
             # enough buffers", DeepSpeed #3062); swapping only optimizer states trains, but its
@@ -61,19 +58,36 @@ class DeepSpeedEngine:
     # --- loading -------------------------------------------------------------------------------
     def load(self, base_path: str, add_adapter):
         cfg = self.cfg
-        quantized = cfg.precision in ("8bit", "4bit")
-        if self.zero3 and not quantized:
-            # Must exist (and stay referenced) while from_pretrained runs: transformers then
-            # builds the model under zero.Init, so each rank only ever holds its partition.
-            self.hf_deepspeed = hf_deepspeed_config(self.config)
-        # Quantized weights can't be built under zero.Init (transformers skips it for them): each
-        # rank quantizes the base onto its device as the shards arrive, and deepspeed.initialize
-        # partitions it afterwards (4-bit stored as bf16 words, so ZeRO can split it).
-        base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3)
-        if self.zero3 and quantized:
-            self.hf_deepspeed = hf_deepspeed_config(self.config)
+        if self.zero3 and cfg.precision in ("8bit", "4bit"):
+            base = self._load_quantized_partitioned(base_path)
+        else:
+            if self.zero3:
+                # Must exist (and stay referenced) while from_pretrained runs: transformers then
+                # builds the model under zero.Init, so each rank only ever holds its partition.
+                self.hf_deepspeed = hf_deepspeed_config(self.config)
+            base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3)
         self.model = add_adapter(base)
         return self.model
+
+    def _load_quantized_partitioned(self, base_path: str):
+        """Quantized weights can't be built under zero.Init (transformers skips it for them), so
+        the base is streamed layer by layer: each decoder layer is read, quantized on the device
+        (4-bit packed into bf16 words, 8-bit as lora_tune's shardable int8 layer) and partitioned
+        with zero.Init(module=...) before the next one is read."""
+        import deepspeed
+
+        from lora_tune import layerwise
+
+        cfg = self.cfg
+        try:
+            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True)
+        except layerwise.NotStreamable as e:
+            raise UserError(f"--precision {cfg.precision} with --zero 3 loads the base layer by layer, and {base_path} can't be ({e}); use --zero 2") from None
+        partition = lambda module: deepspeed.zero.Init(module=module, config_dict_or_path=self.config)  # noqa: E731
+        layerwise.load_layer_by_layer(skeleton, reader, self.device, cfg.precision, init_adapter=lambda unit, name: None,
+                                      partition=partition, partition_root=partition)
+        self.hf_deepspeed = hf_deepspeed_config(self.config)  # peft sees ZeRO-3 from here on
+        return skeleton
 
     def _lora_params(self):
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -169,14 +183,16 @@ class DeepSpeedEngine:
         ckpt.load_rng(folder / f"rng_state_rank{r}.safetensors")
 
     def memory_report(self) -> str | None:
-        """What this rank holds of the frozen base after ZeRO-3 partitioned it (quantized bases
-        count their packed storage elements)."""
+        """What this rank holds of the frozen base: ZeRO-3 partitions it (quantized bases count
+        their packed storage elements); the bytes count every tensor reachable from it."""
+        held, whole = common.base_tensor_bytes(self.model)
         if not self.zero3:
-            return None
+            return f"zero-{self.cfg.zero}: rank {dist.rank()} holds the whole base ({held:,} bytes of base tensors) on {self.device}"
         base = [p for p in self.model.parameters() if not p.requires_grad]
         local = sum(p.ds_tensor.ds_numel for p in base)
         full = sum(p.ds_numel for p in base)
-        return f"zero-3: rank {dist.rank()} holds {local:,} of {full:,} base parameters"
+        where = "host (CPU offload)" if self.cfg.offload == "cpu" else str(self.device)
+        return f"zero-3: rank {dist.rank()} holds {local:,} of {full:,} base parameters ({held:,} of {whole:,} bytes of base tensors) on {where}"
 
 
 def deepspeed_config(cfg) -> dict:
