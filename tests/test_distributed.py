@@ -36,10 +36,11 @@ RESUMED = {
     "zero3-8bit-offload": dict(zero=3, offload="cpu", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     "fsdp-bf16": dict(backend="fsdp", precision="bf16", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     "fsdp-4bit-offload": dict(backend="fsdp", offload="cpu", precision="4bit", optim="adamw_8bit", lr=5e-2),
+    "fsdp-8bit": dict(backend="fsdp", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
 }
 RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
 HOLDS = re.compile(r"(zero-3|fsdp): rank (\d) holds ([\d,]+) of ([\d,]+) base parameters.*\(after loading\)")
-HELD_BYTES = re.compile(r"zero-3: rank (\d) holds [\d,]+ of [\d,]+ base parameters \(([\d,]+) of ([\d,]+) bytes of base tensors\) on \S+(?: \(CPU offload\))?, peak [\d.]+ GiB \((after loading|after step 1)\)")
+HELD_BYTES = re.compile(r"(?:zero-3|fsdp): rank (\d) holds [\d,]+ of [\d,]+ base parameters \(([\d,]+) of ([\d,]+) bytes of base tensors\) on \S+(?: \(CPU offload\))?, peak [\d.]+ GiB \((after loading|after step 1)\)")
 # DeepSpeed keeps parameters under 100k elements whole on every rank (a speed trade); a tiny model's
 # are all that small, so the partition measurements turn that off.
 NO_PERSISTENCE = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
@@ -134,7 +135,7 @@ def test_resume_from_a_checkpoint_is_bit_identical(name, jobs):
     assert all(t.abs().max() > 0 for k, t in expected.items() if "lora_B" in k)
 
 
-@pytest.mark.parametrize("name,expected_local", [("zero3-bf16-offload", None), ("zero3-4bit-offload", "half"), ("fsdp-bf16", "half"), ("fsdp-4bit-offload", "half")])
+@pytest.mark.parametrize("name,expected_local", [("zero3-bf16-offload", None), ("zero3-4bit-offload", "half"), ("fsdp-bf16", "half"), ("fsdp-4bit-offload", "half"), ("fsdp-8bit", "half")])
 def test_the_partition_is_real(name, expected_local, jobs):
     """Each rank says what it holds of the base; the two halves make the whole."""
     _, err = run_of(jobs, name)
@@ -148,14 +149,15 @@ def test_the_partition_is_real(name, expected_local, jobs):
             assert 0 < local < total
 
 
-@pytest.mark.parametrize("precision", ["8bit", "4bit"])
-def test_quantized_bases_under_zero3_are_really_partitioned(precision, jobs, tiny_model):
+@pytest.mark.parametrize("name", ["zero3-8bit-partition", "zero3-4bit-partition", "fsdp-8bit", "fsdp-4bit-offload"])
+def test_quantized_bases_are_really_partitioned(name, jobs, tiny_model):
     """Every tensor reachable from the base (parameters as partitioned, buffers, bitsandbytes' CB/SCB
     and quant states, each piece of memory once), after loading and after a step: each rank holds
     half of the quantized base plus at most one layer, never the whole (bitsandbytes #1249)."""
     from lora_tune import plan
 
-    _, err = run_of(jobs, f"zero3-{precision}-partition")
+    _, err = run_of(jobs, name)
+    precision = name.split("-")[1]
     held = HELD_BYTES.findall(err)
     assert sorted((rank, when) for rank, _, _, when in held) == [("0", "after loading"), ("0", "after step 1"), ("1", "after loading"), ("1", "after step 1")]
     layer = plan.base_weight_bytes(plan.load_architecture(str(tiny_model)), precision)[1]
@@ -183,7 +185,7 @@ def test_fsdp_with_several_ranks_equals_one_process_bit_for_bit(jobs, tiny_model
         assert torch.equal(a[k], b[k]), k
 
 
-@pytest.mark.parametrize("name", ["zero2-8bit", "zero3-8bit-offload", "zero3-4bit-offload", "fsdp-bf16", "fsdp-4bit-offload"])
+@pytest.mark.parametrize("name", ["zero2-8bit", "zero3-8bit-offload", "zero3-4bit-offload", "fsdp-bf16", "fsdp-4bit-offload", "fsdp-8bit"])
 def test_sharded_adapters_merge_into_the_full_precision_base(name, jobs, tmp_path, capsys):
     out, _ = run_of(jobs, name)
     code, _, err = run_cli(["merge", "--adapter", out, "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
@@ -200,11 +202,11 @@ def test_zero2_evaluates_on_every_rank_and_rank0_alone_writes_metrics(jobs):
 def test_matrix_refuses_what_it_does_not_run():
     cells = set(supported_cells())
     assert Cell("deepspeed", "fp16", 2, "none") not in cells
-    assert Cell("fsdp", "8bit", 0, "none") not in cells and Cell("fsdp", "fp16", 0, "none") not in cells
+    assert Cell("fsdp", "fp16", 0, "none") not in cells
     assert not any(c.offload == "nvme" for c in cells)
     assert {Cell("deepspeed", "4bit", 3, "cpu"), Cell("deepspeed", "4bit", 2, "none"), Cell("deepspeed", "8bit", 2, "cpu"),
             Cell("deepspeed", "bf16", 3, "cpu"), Cell("deepspeed", "bf16", 1, "none"), Cell("fsdp", "4bit", 0, "cpu"),
-            Cell("deepspeed", "8bit", 3, "none"), Cell("deepspeed", "8bit", 3, "cpu")} <= cells
+            Cell("deepspeed", "8bit", 3, "none"), Cell("deepspeed", "8bit", 3, "cpu"), Cell("fsdp", "8bit", 0, "cpu")} <= cells
     assert refusal("single", "bf16", 0, "cpu") is not None
 
 
@@ -213,7 +215,6 @@ def test_matrix_refuses_what_it_does_not_run():
     (dict(zero=3, offload="nvme", nvme_path="nv"), "can't checkpoint and resume"),
     (dict(zero=2, precision="fp16"), "loss scaler"),
     (dict(zero=3, zero_config="/no/such.json"), "does not exist"),
-    (dict(backend="fsdp", precision="8bit"), "can't be sharded by FSDP2"),
     (dict(backend="fsdp", precision="fp16"), "loss scaler"),
     (dict(backend="fsdp", offload="nvme"), "host memory only"),
     (dict(backend="fsdp", zero=3), "can't be combined with --backend fsdp"),

@@ -201,7 +201,7 @@ def test_plan_accepts_a_training_config(capsys):
 @pytest.mark.parametrize("argv,expected", [
     (["--base", "llama-7b"], "did you mean"),
     (["--base", "llama-8b", "--gpu-memory", "huge"], "--gpu-memory"),
-    (["--base", "llama-8b", "--precision", "8bit", "--backend", "fsdp"], "8bit with --backend fsdp"),
+    (["--base", "llama-8b", "--precision", "fp16", "--backend", "fsdp"], "fp16 with --backend fsdp"),
     (["--base", "llama-8b", "--offload", "cpu"], "--offload needs a sharding backend"),
     (["--base", "llama-8b", "--gpus", "0"], "--gpus"),
     (["--base", "/no/such/model"], "does not exist"),

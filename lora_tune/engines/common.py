@@ -85,6 +85,11 @@ def base_tensor_bytes(model) -> tuple[int, int]:
         local += nbytes
         full += whole if whole is not None else nbytes
 
+    def count_quant_state(state):
+        if state is not None:
+            for t in state.as_dict().values():
+                count(t)
+
     for module in model.modules():
         for p in module.parameters(recurse=False):
             if p.requires_grad:
@@ -100,13 +105,12 @@ def base_tensor_bytes(model) -> tuple[int, int]:
                 count(p.data)
             for extra in ("CB", "SCB"):
                 count(getattr(p, extra, None))
-            state = getattr(p, "quant_state", None)
-            if state is not None:
-                for t in state.as_dict().values() if hasattr(state, "as_dict") else ():
-                    count(t)
+            count_quant_state(getattr(p, "quant_state", None))
         for b in module.buffers(recurse=False):
             count(b)
         if isinstance(module, bnb.nn.Linear8bitLt):
             count(module.state.CB)
             count(module.state.SCB)
+        if isinstance(module, bnb.nn.Linear4bit):  # kept on the layer too (FSDP2's weight loses it)
+            count_quant_state(getattr(module, "quant_state", None))
     return local, full

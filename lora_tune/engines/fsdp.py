@@ -39,8 +39,6 @@ class FSDPEngine:
             return "--zero is DeepSpeed's; FSDP2 always shards weights, gradients and optimizer states"
         if precision == "fp16":
             return "fp16 needs a loss scaler, which FSDP2 runs don't wire; use --precision bf16 (Ampere or newer)"
-        if precision == "8bit":
-            return "8-bit (LLM.int8) weights can't be sharded by FSDP2 (bitsandbytes keeps each whole int8 matrix per rank); use --precision 4bit or bf16 with --backend fsdp, or 8bit with --zero 2"
         if offload == "nvme":
             return "FSDP2 offloads to host memory only; use --offload cpu"
         return None
@@ -61,9 +59,10 @@ class FSDPEngine:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         kwargs = {"mesh": self.mesh}
-        if self.cfg.precision in ("bf16", "4bit"):
-            # Gather and compute in bf16 (4-bit weights are bf16 words already); the fp32 LoRA
-            # shards are what the optimizer updates, and gradients are reduced in fp32.
+        if self.cfg.precision in ("bf16", "4bit", "8bit"):
+            # Gather and compute in bf16 (4-bit weights are bf16 words already; int8 values are
+            # exact in bf16, so an 8-bit shard rests in 1 byte per weight and travels in 2); the fp32
+            # LoRA shards are what the optimizer updates, and gradients are reduced in fp32.
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         # Pinned host memory only exists next to a GPU.
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if self.cfg.offload == "cpu" else OffloadPolicy()
@@ -76,8 +75,9 @@ class FSDPEngine:
 
         cfg = self.cfg
         try:
-            # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor.
-            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16)
+            # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor; 8-bit layers that
+            # keep their int8 matrix only in the (sharded) parameter (lora_tune.int8_sharded).
+            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True)
         except layerwise.NotStreamable as e:
             raise UserError(f"--backend fsdp: {base_path} can't be loaded layer by layer ({e}); use --zero 3") from None
         model = add_adapter(skeleton)
@@ -190,5 +190,6 @@ class FSDPEngine:
         base = [p for p in self.model.parameters() if not p.requires_grad]
         local = sum(p.to_local().numel() for p in base)
         full = sum(p.numel() for p in base)
+        held, whole = common.base_tensor_bytes(self.model)
         where = "host (CPU offload)" if self.cfg.offload == "cpu" else str(self.device)
-        return f"fsdp: rank {dist.rank()} holds {local:,} of {full:,} base parameters on {where}"
+        return f"fsdp: rank {dist.rank()} holds {local:,} of {full:,} base parameters ({held:,} of {whole:,} bytes of base tensors) on {where}"
