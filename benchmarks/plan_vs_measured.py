@@ -25,7 +25,9 @@ import torch
 from lora_tune import plan
 from lora_tune.adapter import add_lora
 from lora_tune.config import TrainConfig
-from lora_tune.data import Sample, collate
+from lora_tune.batching import collate
+from lora_tune.data import Sample
+from lora_tune.loss import CausalLMLoss
 from lora_tune.engines.single import SingleDeviceEngine
 from lora_tune.model_loading import load_base_model
 
@@ -57,10 +59,10 @@ def one_run(base: Path, precision: str, checkpointing: bool, seq: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model = add_lora(load_base_model(str(base), precision, device), cfg, str(base))
     engine = SingleDeviceEngine(cfg, device)
-    engine.prepare(model, total_steps=2)
+    engine.prepare(CausalLMLoss(model, cfg.loss_chunk_size), total_steps=2)
     vocab = model.get_input_embeddings().weight.shape[0]
     ids = torch.randint(3, vocab, (seq,)).tolist()
-    batch = collate([Sample(ids, ids)], pad_id=0)
+    batch = collate([[Sample(ids, ids)]], pad_id=0, packed=False)
     saved = 0
 
     def pack(t):

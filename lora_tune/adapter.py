@@ -61,8 +61,10 @@ def add_lora(model, cfg, base_id: str):
         # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
         # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
         kwargs = {"use_reentrant": False}
+        offload = getattr(cfg, "activation_offload", False)
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            # offload: transformers keeps the checkpointed layer inputs in pinned host memory.
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         model.enable_input_require_grads()

@@ -32,7 +32,7 @@ class TrainConfig(BaseModel):
     # --- LoRA --------------------------------------------------------------------------------
     rank: int = Field(16, json_schema_extra=MATH, description="LoRA rank r.")
     alpha: Optional[float] = Field(None, json_schema_extra=MATH, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with --rslora). Default: 2 x rank.")
-    dropout: float = Field(0.05, json_schema_extra=MATH, description="Dropout on the LoRA input.")
+    dropout: float = Field(0.0, json_schema_extra=MATH, description="Dropout on the LoRA input (0 skips the dropout layer: ~20% faster steps on small models; Unsloth and LLaMA-Factory default to 0 as well).")
     target_modules: Optional[list[str]] = Field(None, json_schema_extra=MATH, description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).")
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
@@ -45,6 +45,8 @@ class TrainConfig(BaseModel):
     max_seq_len: int = Field(2048, json_schema_extra=MATH, description="Maximum tokens per sample.")
     long_samples: Literal["truncate", "drop"] = Field("truncate", json_schema_extra=MATH, description="What to do with samples longer than --max-seq-len.")
     train_on_prompt: bool = Field(False, json_schema_extra=MATH, description="Also compute the loss on prompt / user tokens (default: only on the response).")
+    packing: bool = Field(True, json_schema_extra=MATH, description="Pack samples into rows of up to --max-seq-len tokens (best-fit decreasing; no attention across samples). Falls back to padded batches, with a log line, for models whose attention can't separate packed samples.")
+    group_by_length: bool = Field(True, json_schema_extra=MATH, description="Without packing: batch samples of similar length together to cut padding.")
 
     # --- optimisation ------------------------------------------------------------------------
     optim: Literal["adamw_8bit", "paged_adamw_8bit", "adamw"] = Field("adamw_8bit", json_schema_extra=MATH, description="Optimizer: bitsandbytes 8-bit AdamW (default), its paged variant, or torch AdamW.")
@@ -55,6 +57,9 @@ class TrainConfig(BaseModel):
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup.")
     max_grad_norm: float = Field(1.0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
     gradient_checkpointing: bool = Field(True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory.")
+    activation_offload: bool = Field(False, json_schema_extra=FREE, description="With checkpointing, keep the checkpointed layer inputs in pinned host memory instead of on the GPU (CUDA only; slower steps, less GPU memory at long sequences).")
+    loss_chunk_size: int = Field(1024, json_schema_extra=FREE, description="Compute the output head and cross-entropy this many label tokens at a time, never materialising the whole [tokens x vocab] logits (0: the model's own full-logits loss).")
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field("auto", json_schema_extra=FREE, description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU, else sdpa.")
     micro_batch_size: int = Field(1, json_schema_extra=MATH, description="Samples per forward/backward.")
     grad_accum: int = Field(1, json_schema_extra=MATH, description="Micro-batches per optimizer step.")
     epochs: float = Field(1.0, json_schema_extra=FREE, description="Passes over the data (ignored when --max-steps is given).")
@@ -123,7 +128,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be > 0 (got {v})")
         return v
 
-    @field_validator("warmup_steps", "weight_decay", "max_grad_norm")
+    @field_validator("warmup_steps", "weight_decay", "max_grad_norm", "loss_chunk_size")
     @classmethod
     def _non_negative(cls, v):
         if v < 0:

@@ -210,6 +210,9 @@ class Tokenization:
         if self.eos not in last_response:
             ids.append(self.eos)
             labels.append(self.eos)
+        # Nothing predicts a sample's first token: packed behind another sample, it would be
+        # trained as that sample's continuation.
+        labels[0] = IGNORE
         return Sample(ids, labels)
 
 
@@ -287,36 +290,3 @@ def prepare_data(cfg, tokenizer) -> PreparedData:
     if not samples:
         raise UserError(f"--data: no usable samples in {cfg.data} ({stats.summary()}); raise --max-seq-len or use --long-samples truncate")
     return PreparedData(samples, eval_samples, fmt, stats, fingerprint(samples), eval_stats)
-
-
-# --- batching ----------------------------------------------------------------------------------
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """A fresh, reproducible shuffle per epoch: resume can recompute any position exactly."""
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + epoch)).tolist()
-
-
-def micro_batch_indices(n_samples: int, micro_batch_size: int, seed: int, global_index: int) -> list[int]:
-    """Sample indices of the `global_index`-th micro-batch, counting across epochs."""
-    per_epoch = math.ceil(n_samples / micro_batch_size)
-    epoch, pos = divmod(global_index, per_epoch)
-    order = epoch_order(n_samples, seed, epoch)
-    return order[pos * micro_batch_size : (pos + 1) * micro_batch_size]
-
-
-def collate(samples: list[Sample], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; pads get attention 0 and label -100."""
-    width = max(len(s.input_ids) for s in samples)
-    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(samples), width), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(samples), width), dtype=torch.long)
-    for i, s in enumerate(samples):
-        n = len(s.input_ids)
-        ids[i, :n] = torch.tensor(s.input_ids)
-        labels[i, :n] = torch.tensor(s.labels)
-        mask[i, :n] = 1
-    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
-
-
-def label_tokens(batch: dict[str, torch.Tensor]) -> int:
-    """Tokens that contribute to the loss (labels are shifted by one inside the model)."""
-    return int((batch["labels"][:, 1:] != IGNORE).sum())

@@ -30,33 +30,55 @@ class NotStreamable(Exception):
 
 
 class CheckpointReader:
-    """Tensor by tensor access to a model folder's safetensors shards (memory-mapped)."""
+    """Tensor by tensor reads from a model folder's safetensors shards, with plain positioned reads
+    (no memory map): a file page touched through a map stays in this process's resident memory
+    until the map closes, which would hold the whole checkpoint by the end of loading."""
+
+    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
     def __init__(self, folder: str):
         root = Path(folder)
         index = root / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self.files = {key: root / name for key, name in weight_map.items()}
+            files = sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
         elif (root / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(root / "model.safetensors"), "pt") as f:
-                self.files = {key: root / "model.safetensors" for key in f.keys()}
+            files = [root / "model.safetensors"]
         else:
             raise NotStreamable(f"{folder} has no safetensors weights on this machine")
-        self._open: dict[Path, object] = {}
+        self.entries: dict[str, tuple[Path, int, str, list[int], int]] = {}  # key -> file, offset, dtype, shape, bytes
+        for path in files:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            for key, info in header.items():
+                if key != "__metadata__":
+                    if info["dtype"] not in self.DTYPES:
+                        raise NotStreamable(f"{key} is stored as {info['dtype']}, which layer-by-layer loading does not read")
+                    start, end = info["data_offsets"]
+                    self.entries[key] = (path, 8 + size + start, info["dtype"], info["shape"], end - start)
 
     def __contains__(self, key: str) -> bool:
-        return key in self.files
+        return key in self.entries
 
     def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
+        import os
 
-        path = self.files[key]
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), "pt")
-        return self._open[path].get_tensor(key)
+        path, offset, dtype, shape, nbytes = self.entries[key]
+        buffer = bytearray(nbytes)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            view, done = memoryview(buffer), 0
+            while done < nbytes:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise OSError(f"{path} ends before {key} does (truncated file)")
+                done += n
+        finally:
+            os.close(fd)
+        if not nbytes:
+            return torch.empty(shape, dtype=self.DTYPES[dtype])
+        return torch.frombuffer(buffer, dtype=self.DTYPES[dtype]).reshape(shape)
 
 
 def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
@@ -71,11 +93,11 @@ def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
 
 def checkpoint_key(name: str) -> str:
     """The checkpoint's name of a parameter of the (peft-wrapped) model."""
-    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+    return name.removeprefix("peft_model.").removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
 def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quant_storage: torch.dtype | None = None,
-                   shardable_int8: bool = False):
+                   shardable_int8: bool = False, attn_implementation: str = "sdpa"):
     """(model on the meta device, reader of its checkpoint). The model has bitsandbytes layers in place of the block linears when
     quantized; it holds no memory. Raises NotStreamable when the checkpoint's names don't match."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -83,7 +105,8 @@ def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quan
     config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
     reader = CheckpointReader(base_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation)
     model.config.use_cache = False
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = [k for k in model.state_dict() if k not in reader and k not in tied]

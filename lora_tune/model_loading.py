@@ -55,7 +55,8 @@ def has_safetensors(base_path: str) -> bool:
     return True  # hub ids: from_pretrained picks safetensors when the repo has them
 
 
-def load_base_model(base_path: str, precision: str, device: torch.device, trust_remote_code: bool = False, allow_bin: bool = False, zero3: bool = False):
+def load_base_model(base_path: str, precision: str, device: torch.device, trust_remote_code: bool = False, allow_bin: bool = False, zero3: bool = False,
+                    attn_implementation: str = "sdpa"):
     """The frozen base, on `device`, in `precision`; nothing trainable yet. `zero3`: the weights are
     built under zero.Init (a bf16/fp32 base), where DeepSpeed places each rank's partition itself
     (no device_map). Quantized bases under ZeRO-3 or FSDP2 are streamed by lora_tune.layerwise."""
@@ -63,7 +64,8 @@ def load_base_model(base_path: str, precision: str, device: torch.device, trust_
 
     if not allow_bin and not has_safetensors(base_path):
         raise UserError(f"--base: {base_path} has only pickle (.bin) weights, which can run code when loaded; convert them to safetensors or pass --allow-bin if you trust them")
-    kwargs = dict(dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code, use_safetensors=None if allow_bin else True)
+    kwargs = dict(dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code, use_safetensors=None if allow_bin else True,
+                  attn_implementation=attn_implementation)
     quant = quantization_config(precision)
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -79,6 +81,60 @@ def load_base_model(base_path: str, precision: str, device: torch.device, trust_
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def load_config(base_path: str, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--base: could not read the config of {base_path} ({_first_line(e)})") from None
+
+
+def model_class(config):
+    """The transformers causal-LM class of a config (None for remote code or unknown models)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def attention_implementation(choice: str, config, device: torch.device) -> str:
+    """--attn-implementation resolved: auto = flash_attention_2 when installed on a GPU and the model
+    supports it, else sdpa (eager for the few models without sdpa)."""
+    cls = model_class(config)
+    if choice == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if device.type != "cuda" or not is_flash_attn_2_available():
+            raise UserError("--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install flash-attn); use sdpa")
+    if choice != "auto":
+        return choice
+    if device.type == "cuda" and cls is not None and getattr(cls, "_supports_flash_attn", False):
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+
+def packing_refusal(config) -> str | None:
+    """Why samples can't be packed into one row for this model, or None. transformers builds
+    block-diagonal attention from restarting position_ids (varlen kernels with flash-attention)
+    in the models whose attention masks come from its masking utilities."""
+    import inspect
+    import sys
+
+    cls = model_class(config)
+    if cls is None:
+        return f"{type(config).__name__} is not one of transformers' own causal LMs (remote code?), so packed samples can't be verified to stay apart"
+    source = inspect.getsource(sys.modules[cls.__module__])
+    if "create_causal_mask" not in source and "create_sliding_window_causal_mask" not in source:
+        return f"{cls.__name__} does not build its attention masks from position_ids, so packed samples would attend to each other"
+    return None
 
 
 def pick_device() -> torch.device:

@@ -25,10 +25,12 @@ from lora_tune import engines
 from lora_tune.adapter import add_lora, save_adapter
 from lora_tune.aliases import resolve_base
 from lora_tune.config import TrainConfig
-from lora_tune.data import PreparedData, collate, label_tokens, micro_batch_indices, prepare_data
+from lora_tune.batching import MicroBatches, collate, pack_best_fit_decreasing
+from lora_tune.data import PreparedData, prepare_data
 from lora_tune.errors import UserError
 from lora_tune.metrics import MetricsLog, Progress, check_reporter, peak_memory_bytes
-from lora_tune.model_loading import load_tokenizer, pick_device
+from lora_tune.loss import CausalLMLoss, chunking_refusal
+from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, packing_refusal, pick_device
 
 log = logging.getLogger("lora_tune")
 
@@ -56,11 +58,10 @@ class RunState:
     best_eval_loss: float | None = None
 
 
-def total_steps(cfg: TrainConfig, n_samples: int) -> int:
+def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
-    per_epoch = math.ceil(n_samples / cfg.micro_batch_size)
-    return max(1, math.ceil(cfg.epochs * per_epoch / (cfg.grad_accum * dist.world_size())))
+    return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * dist.world_size())))
 
 
 def math_config(cfg: TrainConfig) -> dict:
@@ -158,13 +159,42 @@ class Recipe:
         self.base_path = resolve_base(cfg.base)
         self.base_id = self.base_path if not Path(self.base_path).is_dir() else str(Path(self.base_path).resolve())
         self.tokenizer = load_tokenizer(self.base_path, cfg.trust_remote_code)
+        self.device = pick_device()
+        self.check_speed_levers()
         self.data = prepare_data(cfg, self.tokenizer)
         log.info("data: %s format, %s; %d train / %d eval samples", self.data.format, self.data.stats.summary(), len(self.data.train), len(self.data.eval))
         saved_state = check_resume_compatible(cfg, self.data, self.resume_from) if self.resume_from else None
-        self.total_steps = total_steps(cfg, len(self.data.train))
+        self.batches = MicroBatches([len(s.input_ids) for s in self.data.train], cfg.micro_batch_size, cfg.seed, self.packing, cfg.group_by_length, cfg.max_seq_len)
+        if self.packing:
+            tokens = sum(len(s.input_ids) for s in self.data.train)
+            log.info("packing: %d samples in %d rows of up to %d tokens (%.0f%% full)", len(self.data.train), self.batches.n_rows, cfg.max_seq_len,
+                     100 * tokens / (self.batches.n_rows * cfg.max_seq_len))
+        self.total_steps = total_steps(cfg, len(self.batches))
         self.saved_state = saved_state
-        self.device = pick_device()
         self.plan = preflight(cfg, self.device)
+
+    def check_speed_levers(self) -> None:
+        """Packing, the chunked loss, activation offload and the attention kernels, checked against
+        this model and machine from its config alone; what can't apply says so in one line."""
+        cfg = self.cfg
+        config = load_config(self.base_path, cfg.trust_remote_code)
+        attention = attention_implementation(cfg.attn_implementation, config, self.device)
+        self.packing = cfg.packing
+        reason = packing_refusal(config) if cfg.packing else None
+        if reason:
+            log.warning("packing off: %s; training on padded batches instead (pass --no-packing to silence this)", reason)
+            self.packing = False
+        self.loss_chunk_size = cfg.loss_chunk_size
+        reason = chunking_refusal(config) if cfg.loss_chunk_size else None
+        if reason:
+            log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
+            self.loss_chunk_size = 0
+        if cfg.activation_offload and not cfg.gradient_checkpointing:
+            raise UserError("--activation-offload moves the inputs that gradient checkpointing keeps: it needs --gradient-checkpointing")
+        if cfg.activation_offload and self.device.type != "cuda":
+            raise UserError(f"--activation-offload needs a CUDA GPU (on {self.device} the activations already live in host memory); leave it out")
+        log.info("attention: %s; packing %s; loss %s", attention, "on" if self.packing else "off",
+                 f"chunked ({self.loss_chunk_size} tokens)" if self.loss_chunk_size else "full logits")
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -174,7 +204,7 @@ class Recipe:
         # Only now, with every input checked, the expensive part. The engine decides how the base
         # is loaded and partitioned and when the adapter goes in.
         self.engine = engines.create(cfg, self.device)
-        self.model = self.engine.load(self.base_path, lambda base: add_lora(base, cfg, self.base_id))
+        self.model = self.engine.load(self.base_path, lambda base: CausalLMLoss(add_lora(base, cfg, self.base_id), self.loss_chunk_size))
         self.state = RunState()
         if self.saved_state:
             self.engine.load_adapter(self.resume_from)
@@ -223,7 +253,7 @@ class Recipe:
         try:
             self.engine.save_state(writer.tmp)
             if dist.is_main():
-                save_adapter(self.model, writer.tmp, adapter)
+                save_adapter(self.model.peft_model, writer.tmp, adapter)
                 self._write_trainer_state(writer.tmp)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
             error = e
@@ -257,20 +287,22 @@ class Recipe:
         })
 
     # --- the loop ------------------------------------------------------------------------------
-    def _step_batches(self, step: int) -> list[dict]:
+    def _step_batches(self, step: int) -> list:
         """This rank's micro-batches of optimizer step `step`: the global micro-batch sequence is
         dealt out round-robin, so N ranks together see what one process would, in order."""
         world, rank = dist.world_size(), dist.rank()
         first = step * self.cfg.grad_accum
-        return [
-            collate([self.data.train[i] for i in micro_batch_indices(len(self.data.train), self.cfg.micro_batch_size, self.cfg.seed, j * world + rank)], self.pad_id)
-            for j in range(first, first + self.cfg.grad_accum)
-        ]
+        train = self.data.train
+        return [collate([[train[i] for i in row] for row in self.batches.rows(j * world + rank)], self.pad_id, self.packing)
+                for j in range(first, first + self.cfg.grad_accum)]
 
     def _evaluate(self) -> dict:
-        samples = self.data.eval
-        mbs = self.cfg.micro_batch_size
-        batches = [collate(samples[i : i + mbs], self.pad_id) for i in range(0, len(samples), mbs)]
+        samples, mbs = self.data.eval, self.cfg.micro_batch_size
+        if self.packing:
+            rows = pack_best_fit_decreasing([len(s.input_ids) for s in samples], self.cfg.max_seq_len)
+        else:
+            rows = [[i] for i in range(len(samples))]
+        batches = [collate([[samples[i] for i in row] for row in rows[j : j + mbs]], self.pad_id, self.packing) for j in range(0, len(rows), mbs)]
         total, tokens = self.engine.evaluate(batches)
         loss = total / max(tokens, 1)
         return {"step": self.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
@@ -291,7 +323,7 @@ class Recipe:
                 # The step's loss is the sum over every label token of every rank, divided by their
                 # count. Each rank divides by count / world size, because the backends average
                 # gradients over ranks: N ranks then compute exactly what one process would.
-                n_labels = dist.all_sum(sum(label_tokens(b) for b in batches))
+                n_labels = dist.all_sum(sum(b.label_tokens for b in batches))
                 divisor = n_labels / dist.world_size() if dist.world_size() > 1 else n_labels
                 try:
                     loss = sum(float(self.engine.forward_backward(b, divisor)) for b in batches)
@@ -303,7 +335,7 @@ class Recipe:
                 if not reported:  # the first step is when layers build their lasting state (bitsandbytes does)
                     self._report_memory(f"after step {state.step}")
                     reported = True
-                step_tokens = sum(int(b["attention_mask"].sum()) for b in batches)
+                step_tokens = sum(b.tokens for b in batches)
                 state.tokens_seen += step_tokens
                 seconds = time.perf_counter() - t0
                 bad = dist.any_rank(not math.isfinite(loss) or (not applied and not self.engine.skips_overflow))
@@ -368,7 +400,7 @@ class Recipe:
         if not dist.is_main():
             return
         try:
-            save_adapter(self.model, self.output_dir, adapter)
+            save_adapter(self.model.peft_model, self.output_dir, adapter)
         except OSError as e:
             raise TrainingStopped(f"could not write the final adapter to {self.output_dir} ({e.strerror or e}); checkpoint-{self.state.step} holds it. Free space and rerun with --resume", 1, "error") from None
         self.tokenizer.save_pretrained(str(self.output_dir))

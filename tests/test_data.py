@@ -9,9 +9,7 @@ from lora_tune.data import (
     ALPACA_NO_INPUT,
     IGNORE,
     Tokenization,
-    collate,
     detect_format,
-    micro_batch_indices,
     prepare_data,
     tokenize_all,
 )
@@ -43,7 +41,8 @@ def test_alpaca_labels_mask_exactly_the_prompt_and_keep_eos(tokenizer):
 def test_train_on_prompt_labels_everything(tokenizer):
     record = {"instruction": "Say hi.", "input": "", "output": "hi"}
     sample = Tokenization(tokenizer, "alpaca", train_on_prompt=True)(record, 1)
-    assert sample.labels == sample.input_ids
+    # All but the first token, which nothing precedes (packed, it would follow another sample).
+    assert sample.labels == [IGNORE] + sample.input_ids[1:]
 
 
 def test_chat_labels_only_assistant_turns(tokenizer):
@@ -90,7 +89,7 @@ def test_prompt_completion_and_text(tokenizer):
     assert pc.labels[n_prompt:] == pc.input_ids[n_prompt:]
     assert pc.input_ids[-1] == tokenizer.eos_token_id
     text = Tokenization(tokenizer, "text", False)({"text": "hello world"}, 1)
-    assert text.labels == text.input_ids and text.input_ids[-1] == tokenizer.eos_token_id
+    assert text.labels == [IGNORE] + text.input_ids[1:] and text.input_ids[-1] == tokenizer.eos_token_id
 
 
 @pytest.mark.parametrize("columns,expected", [
@@ -122,25 +121,6 @@ def test_fully_masked_samples_are_dropped_and_counted(tokenizer):
     records = [{"prompt": "word " * 100, "completion": "x"}, {"prompt": "a", "completion": "b"}]
     samples, stats = tokenize_all(records, tokenizer, "prompt_completion", cfg(max_seq_len=16))
     assert stats.dropped_no_labels == 1 and len(samples) == 1
-
-
-def test_collate_masks_padding_even_when_pad_equals_eos(tokenizer):
-    eos = tokenizer.eos_token_id
-    short = Tokenization(tokenizer, "text", False)({"text": "hi"}, 1)
-    long = Tokenization(tokenizer, "text", False)({"text": "hello there, world"}, 2)
-    batch = collate([short, long], pad_id=eos)  # the dangerous configuration: pad id == eos id
-    n = len(short.input_ids)
-    assert batch["labels"][0, n - 1] == eos  # the real EOS keeps its label
-    assert (batch["labels"][0, n:] == IGNORE).all()
-    assert (batch["attention_mask"][0, n:] == 0).all() and (batch["attention_mask"][0, :n] == 1).all()
-
-
-def test_batches_cover_each_epoch_once_and_reshuffle():
-    first = [i for j in range(5) for i in micro_batch_indices(10, 2, seed=1, global_index=j)]
-    second = [i for j in range(5, 10) for i in micro_batch_indices(10, 2, seed=1, global_index=j)]
-    assert sorted(first) == sorted(second) == list(range(10))
-    assert first != second
-    assert micro_batch_indices(10, 2, 1, 7) == micro_batch_indices(10, 2, 1, 7)
 
 
 def test_formats_load_from_parquet_csv_and_folder(tmp_path, tokenizer):

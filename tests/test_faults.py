@@ -146,16 +146,16 @@ def poisoned_model(tiny_model: Path, tmp_path: Path) -> tuple[Path, str]:
 
 
 def test_nan_steps_are_logged_skipped_and_stop_the_run(tiny_model, tmp_path, capsys):
-    from lora_tune.data import epoch_order
+    from lora_tune.batching import permutation
 
     base, poison = poisoned_model(tiny_model, tmp_path)
     n = 8
-    order = epoch_order(n, seed=7, epoch=0)  # micro-batch size 1: step k trains sample order[k-1]
+    order = permutation(n, seed=7, epoch=0)  # unpacked, micro-batch size 1: step k trains sample order[k-1]
     bad_samples = set(order[2:6])  # steps 3, 4, 5, 6 are poisoned
     rows = [{"text": f"sample {i} {poison if i in bad_samples else 'fine'}"} for i in range(n)]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     out = tmp_path / "run"
-    code, _, err = run_cli(fast_train_args(base, data, out, max_steps=8, micro_batch_size=1, save_steps=1, max_bad_steps=3), capsys)
+    code, _, err = run_cli(fast_train_args(base, data, out, max_steps=8, micro_batch_size=1, save_steps=1, max_bad_steps=3, packing=False, group_by_length=False), capsys)
     assert code == 3, err
     assert "NaN/inf for 3 steps in a row" in err and "checkpoint-2" in err
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -105,7 +105,9 @@ def _measured_model_states(model, engine) -> dict[str, int]:
 @pytest.mark.parametrize("precision,optim", [("bf16", "adamw"), ("fp32", "adamw_8bit"), ("4bit", "adamw_8bit"), ("8bit", "adamw")])
 def test_model_states_are_exact(precision, optim, tiny_model):
     from lora_tune.adapter import add_lora
-    from lora_tune.data import collate, Sample
+    from lora_tune.batching import collate
+    from lora_tune.data import Sample
+    from lora_tune.loss import CausalLMLoss
     from lora_tune.engines.single import SingleDeviceEngine
     from lora_tune.model_loading import load_base_model
 
@@ -115,8 +117,8 @@ def test_model_states_are_exact(precision, optim, tiny_model):
     model = add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b")
     weights_at_load = _measured_model_states(model.base_model.model, None)["weights_bytes"]
     engine = SingleDeviceEngine(cfg, torch.device("cpu"))
-    engine.prepare(model, total_steps=2)
-    batch = collate([Sample(list(range(3, 30)), list(range(3, 30)))], pad_id=0)
+    engine.prepare(CausalLMLoss(model, cfg.loss_chunk_size), total_steps=2)
+    batch = collate([[Sample(list(range(3, 30)), list(range(3, 30)))]], pad_id=0, packed=False)
     engine.forward_backward(batch, 26)
     grads_kept = {id(p): p.grad.clone() for p in model.parameters() if p.requires_grad}
     measured_grads = sum(g.numel() * g.element_size() for g in grads_kept.values())

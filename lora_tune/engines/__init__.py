@@ -42,7 +42,8 @@ class Engine(Protocol):
 
     def load(self, base_path: str, add_adapter: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
         """The base, loaded and partitioned as this backend needs, with the adapter injected by
-        `add_adapter` at the moment that suits the backend. Returns the peft model."""
+        `add_adapter` at the moment that suits the backend. Returns what `add_adapter` made: the
+        loss module (`lora_tune.loss.CausalLMLoss`, its peft model as `.peft_model`)."""
 
     def load_adapter(self, path: Path) -> None:
         """Adapter weights of a checkpoint into the (not yet prepared) model."""
@@ -50,9 +51,9 @@ class Engine(Protocol):
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Optimizer, schedule and whatever wrapping the backend needs."""
 
-    def forward_backward(self, batch: dict, num_label_tokens: int) -> torch.Tensor:
-        """Backward of this micro-batch's share of the step loss (summed over tokens, divided by
-        the label tokens of the whole step); returns that share, detached."""
+    def forward_backward(self, batch, divisor: float) -> torch.Tensor:
+        """Backward of this micro-batch's share of the step loss (`lora_tune.batching.MicroBatch`;
+        summed over label tokens, divided by `divisor`); returns that share, detached."""
 
     def step(self) -> tuple[float, bool]:
         """Clip, optimizer and schedule step at the end of an optimizer step: (grad norm, applied)."""
@@ -62,7 +63,7 @@ class Engine(Protocol):
     @property
     def lr(self) -> float: ...
 
-    def evaluate(self, batches: list[dict]) -> tuple[float, int]:
+    def evaluate(self, batches: list) -> tuple[float, int]:
         """(summed token loss, label tokens) over the batches; collective where the backend is."""
 
     def adapter_state(self) -> dict[str, torch.Tensor]:

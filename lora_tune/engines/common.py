@@ -42,23 +42,21 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=compute_dtype(precision))
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def to_device(inputs: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
 
 
 @torch.no_grad()
-def evaluate(module, batches, precision: str, device: torch.device) -> tuple[float, int]:
-    """(summed token loss, label tokens) of `module` over the batches."""
-    from lora_tune.data import label_tokens
-
+def evaluate(module, batches, precision: str | None, device: torch.device) -> tuple[float, int]:
+    """(summed token loss, label tokens) of the loss module over the micro-batches (precision None:
+    no autocast, the backend casts itself)."""
     module.eval()
     total, tokens = 0.0, 0
     for batch in batches:
-        n = label_tokens(batch)
-        with autocast(precision, device):
-            out = module(**to_device(batch, device), num_items_in_batch=n)
-        total += float(out.loss) * n
-        tokens += n
+        with autocast(precision, device) if precision else contextlib.nullcontext():
+            loss = module(**to_device(batch.inputs, device), num_items_in_batch=batch.label_tokens)
+        total += float(loss) * batch.label_tokens
+        tokens += batch.label_tokens
     module.train()
     return total, tokens
 

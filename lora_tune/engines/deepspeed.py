@@ -22,7 +22,7 @@ from lora_tune import distributed as dist
 from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
 from lora_tune.errors import UserError
-from lora_tune.model_loading import load_base_model
+from lora_tune.model_loading import attention_implementation, load_base_model, load_config
 
 log = logging.getLogger("lora_tune")
 
@@ -57,6 +57,8 @@ class DeepSpeedEngine:
 
     # --- loading -------------------------------------------------------------------------------
     def load(self, base_path: str, add_adapter):
+        import deepspeed
+
         cfg = self.cfg
         if self.zero3 and cfg.precision in ("8bit", "4bit"):
             base = self._load_quantized_partitioned(base_path)
@@ -65,8 +67,13 @@ class DeepSpeedEngine:
                 # Must exist (and stay referenced) while from_pretrained runs: transformers then
                 # builds the model under zero.Init, so each rank only ever holds its partition.
                 self.hf_deepspeed = hf_deepspeed_config(self.config)
-            base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3)
+            base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3,
+                                   attn_implementation=attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device))
         self.model = add_adapter(base)
+        if self.zero3 and self.model.chunk_size:
+            # The chunked loss reads the head's weight inside the loss module's forward, not through
+            # the head's own forward: ZeRO-3 must gather it for the loss module.
+            deepspeed.zero.register_external_parameter(self.model, self.model.get_base_model().get_output_embeddings().weight)
         return self.model
 
     def _load_quantized_partitioned(self, base_path: str):
@@ -80,7 +87,9 @@ class DeepSpeedEngine:
 
         cfg = self.cfg
         try:
-            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True)
+            attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device)
+            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True,
+                                                        attn_implementation=attention)
         except layerwise.NotStreamable as e:
             raise UserError(f"--precision {cfg.precision} with --zero 3 loads the base layer by layer, and {base_path} can't be ({e}); use --zero 2") from None
         partition = lambda module: deepspeed.zero.Init(module=module, config_dict_or_path=self.config)  # noqa: E731
@@ -97,9 +106,9 @@ class DeepSpeedEngine:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=0):
-                load_adapter_weights(self.model, path)
+                load_adapter_weights(self.model.peft_model, path)
         else:
-            load_adapter_weights(self.model, path)
+            load_adapter_weights(self.model.peft_model, path)
 
     def prepare(self, model, total_steps: int) -> None:
         import deepspeed
@@ -123,15 +132,15 @@ class DeepSpeedEngine:
         self.pending = 0
 
     # --- steps ---------------------------------------------------------------------------------
-    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+    def forward_backward(self, batch, divisor: float) -> torch.Tensor:
         self.ds.train()
         with common.autocast(self.cfg.precision, self.device):
-            out = self.ds(**common.to_device(batch, self.device), num_items_in_batch=num_label_tokens)
-        self.ds.backward(out.loss, scale_wrt_gas=False)
+            loss = self.ds(**common.to_device(batch.inputs, self.device), num_items_in_batch=divisor)
+        self.ds.backward(loss, scale_wrt_gas=False)
         self.pending += 1
         if self.pending < self.cfg.grad_accum:
             self.ds.step()  # not a boundary: DeepSpeed only counts the micro-step
-        return out.loss.detach().float()
+        return loss.detach().float()
 
     def step(self) -> tuple[float, bool]:
         self.ds.step()  # the boundary: reduce, clip, optimizer and scheduler step, zero grads
@@ -159,8 +168,8 @@ class DeepSpeedEngine:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=None):
-                return trainable_state_dict(self.model)
-        return trainable_state_dict(self.model)
+                return trainable_state_dict(self.model.peft_model)
+        return trainable_state_dict(self.model.peft_model)
 
     def save_state(self, folder: Path) -> None:
         r = dist.rank()

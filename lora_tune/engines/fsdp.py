@@ -24,6 +24,7 @@ from lora_tune import distributed as dist
 from lora_tune.adapter import materialize_lora, trainable_state_dict
 from lora_tune.engines import common
 from lora_tune.errors import UserError
+from lora_tune.model_loading import attention_implementation, load_config
 
 log = logging.getLogger("lora_tune")
 
@@ -77,16 +78,19 @@ class FSDPEngine:
         try:
             # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor; 8-bit layers that
             # keep their int8 matrix only in the (sharded) parameter (lora_tune.int8_sharded).
-            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True)
+            attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device)
+            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True,
+                                                        attn_implementation=attention)
         except layerwise.NotStreamable as e:
             raise UserError(f"--backend fsdp: {base_path} can't be loaded layer by layer ({e}); use --zero 3") from None
         model = add_adapter(skeleton)
         policies = self._policies()
-        seed = model.lora_tune_seed
+        seed = model.peft_model.lora_tune_seed
         # Offloaded shards live on the host; the layers are still filled (and quantized) on the device.
         layerwise.load_layer_by_layer(
             model, reader, self.device, cfg.precision,
-            init_adapter=lambda unit, name: materialize_lora(unit, name, seed, self.device),
+            # LoRA values are seeded by layer name within the peft model, as on every backend.
+            init_adapter=lambda unit, name: materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device),
             partition=lambda layer: fully_shard(layer, **policies),
             partition_root=lambda root: fully_shard(root, **policies),
         )
@@ -107,7 +111,7 @@ class FSDPEngine:
         except Exception as e:  # noqa: BLE001 - SafetensorError, OSError for a truncated file
             raise UserError(f"{file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
         for name, p in self._lora_params():
-            key = name.replace(".default", "")
+            key = name.removeprefix("peft_model.").replace(".default", "")
             if key not in saved:
                 raise UserError(f"{file} does not match this LoRA configuration ({key} missing)")
             shard = distribute_tensor(saved[key].to(p.device, p.dtype), p.device_mesh, p.placements)
@@ -124,12 +128,12 @@ class FSDPEngine:
         self.scheduler = common.build_scheduler(cfg, self.optimizer, total_steps)
 
     # --- steps ---------------------------------------------------------------------------------
-    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+    def forward_backward(self, batch, divisor: float) -> torch.Tensor:
         self.model.train()
-        # fp32 runs as is; bf16 and 4-bit compute in bf16 through the mixed-precision policy.
-        out = self.model(**common.to_device(batch, self.device), num_items_in_batch=num_label_tokens)
-        out.loss.backward()
-        return out.loss.detach().float()
+        # fp32 runs as is; bf16, 8-bit and 4-bit compute in bf16 through the mixed-precision policy.
+        loss = self.model(**common.to_device(batch.inputs, self.device), num_items_in_batch=divisor)
+        loss.backward()
+        return loss.detach().float()
 
     def step(self) -> tuple[float, bool]:
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
@@ -154,25 +158,14 @@ class FSDPEngine:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
 
-    @torch.no_grad()
     def evaluate(self, batches) -> tuple[float, int]:
-        from lora_tune.data import label_tokens
-
-        self.model.eval()
-        total, tokens = 0.0, 0
-        for batch in batches:
-            n = label_tokens(batch)
-            out = self.model(**common.to_device(batch, self.device), num_items_in_batch=n)
-            total += float(out.loss) * n
-            tokens += n
-        self.model.train()
-        return total, tokens
+        return common.evaluate(self.model, batches, None, self.device)  # collective
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """Only the LoRA shards are gathered (small), never the base."""
-        full = {n: p.full_tensor().detach().cpu() for n, p in self._lora_params()}
-        return trainable_state_dict(self.model, full)
+        full = {n.removeprefix("peft_model."): p.full_tensor().detach().cpu() for n, p in self._lora_params()}
+        return trainable_state_dict(self.model.peft_model, full)
 
     def save_state(self, folder: Path) -> None:
         r = dist.rank()

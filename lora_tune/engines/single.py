@@ -11,7 +11,7 @@ import torch
 from lora_tune import checkpoint as ckpt
 from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
-from lora_tune.model_loading import load_base_model
+from lora_tune.model_loading import attention_implementation, load_base_model, load_config
 
 
 class SingleDeviceEngine:
@@ -34,12 +34,13 @@ class SingleDeviceEngine:
     # --- loading -------------------------------------------------------------------------------
     def load(self, base_path: str, add_adapter):
         cfg = self.cfg
-        base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin)
+        attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device)
+        base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, attn_implementation=attention)
         self.model = add_adapter(base)
         return self.model
 
     def load_adapter(self, path: Path) -> None:
-        load_adapter_weights(self.model, path)
+        load_adapter_weights(self.model.peft_model, path)
 
     def prepare(self, model, total_steps: int) -> None:
         self.model = model
@@ -48,11 +49,10 @@ class SingleDeviceEngine:
         self.scheduler = common.build_scheduler(self.cfg, self.optimizer, total_steps)
 
     # --- steps ---------------------------------------------------------------------------------
-    def forward_backward(self, batch, num_label_tokens: int) -> torch.Tensor:
+    def forward_backward(self, batch, divisor: float) -> torch.Tensor:
         self.model.train()
         with common.autocast(self.cfg.precision, self.device):
-            out = self.model(**common.to_device(batch, self.device), num_items_in_batch=num_label_tokens)
-        loss = out.loss
+            loss = self.model(**common.to_device(batch.inputs, self.device), num_items_in_batch=divisor)
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         return loss.detach().float()
 
@@ -85,7 +85,7 @@ class SingleDeviceEngine:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        return trainable_state_dict(self.model)
+        return trainable_state_dict(self.model.peft_model)
 
     def save_state(self, folder: Path) -> None:
         # Tensors and plain numbers only: loaded back with weights_only=True.

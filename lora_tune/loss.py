@@ -1,0 +1,102 @@
+"""The training loss: the output head and cross-entropy, chunk by chunk, never the whole logits.
+
+With Llama-3's 128k vocabulary the `[tokens x vocab]` logits are the largest activation of a LoRA
+run, and the usual route keeps them three times (compute dtype, the fp32 upcast, its gradient).
+`linear_cross_entropy` runs the head over `chunk_size` label tokens at a time and, in the same pass,
+computes the gradient with respect to the hidden states (softmax minus one-hot, through the head),
+the way Liger's fused linear cross-entropy does: backward then only scales what forward kept (the
+hidden-size gradient, small). The head is frozen (LoRA never adapts it), so no weight gradient is
+needed, and nothing is recomputed. Positions whose label is masked (prompt tokens, padding) never go
+through the head at all.
+
+`CausalLMLoss` is the module every engine trains: the peft model, and a forward that returns the
+loss. It is the root that FSDP2 and DeepSpeed wrap, so the head's weight is gathered while the loss
+runs. `--loss-chunk-size 0` computes the loss through the model's own forward instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE = -100
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, divisor: float, chunk_size: int, softcap: float | None):
+        keep_grad = ctx.needs_input_grad[0]
+        grad_hidden = torch.zeros_like(hidden) if keep_grad else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        positions = (targets != IGNORE).nonzero().squeeze(1)  # masked positions never reach the head
+        for start in range(0, positions.numel(), chunk_size):
+            idx = positions[start : start + chunk_size]
+            h, t = hidden.index_select(0, idx), targets.index_select(0, idx)
+            logits = (h @ weight.t() if bias is None else h @ weight.t() + bias).float()
+            if softcap:  # Gemma-2 style: cap * tanh(logits / cap)
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            lse = torch.logsumexp(logits, dim=-1)
+            total += (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()
+            if keep_grad:
+                grad = torch.exp(logits - lse.unsqueeze(1))  # softmax
+                grad.scatter_add_(1, t.unsqueeze(1), grad.new_full((t.numel(), 1), -1.0))
+                if softcap:
+                    grad *= 1.0 - capped * capped
+                grad_hidden.index_copy_(0, idx, (grad.to(weight.dtype) @ weight).to(hidden.dtype))
+        if keep_grad:
+            ctx.save_for_backward(grad_hidden)
+            ctx.divisor = divisor
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * (grad_output / ctx.divisor).to(grad_hidden.dtype), None, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float,
+                         chunk_size: int, softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over label tokens of -log softmax(hidden @ weight.T + bias)[target] / divisor, computed
+    `chunk_size` tokens at a time. `hidden` is [tokens, hidden], `targets` [tokens] with IGNORE for
+    no label."""
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, float(divisor), chunk_size, softcap)
+
+
+# Config attributes of logit transforms the chunked loss reproduces, and of those it does not.
+SOFTCAP_KEYS = ("final_logit_softcapping",)
+UNSUPPORTED_LOGIT_KEYS = ("logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+def chunking_refusal(config) -> str | None:
+    """Why this model's logits can't go through `linear_cross_entropy`, or None."""
+    for key in UNSUPPORTED_LOGIT_KEYS:
+        if getattr(config, key, None) not in (None, 1, 1.0):
+            return f"its config scales the logits ({key})"
+    return None
+
+
+class CausalLMLoss(torch.nn.Module):
+    """The peft model whose forward returns the loss (summed over label tokens / `num_items_in_batch`)."""
+
+    def __init__(self, peft_model, chunk_size: int):
+        super().__init__()
+        self.peft_model = peft_model
+        self.chunk_size = chunk_size
+        config = peft_model.get_base_model().config
+        self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
+
+    def get_base_model(self):
+        return self.peft_model.get_base_model()
+
+    def forward(self, input_ids, labels, num_items_in_batch, attention_mask=None, position_ids=None):
+        if not self.chunk_size:
+            return self.peft_model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
+                                   num_items_in_batch=num_items_in_batch).loss
+        hf_model = self.peft_model.get_base_model()
+        body = getattr(hf_model, hf_model.base_model_prefix)  # the decoder without its head
+        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+        # Position t predicts token t + 1: shift within each row.
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
+        targets = labels[:, 1:].reshape(-1)
+        head = hf_model.get_output_embeddings()
+        return linear_cross_entropy(hidden, head.weight, targets, num_items_in_batch, self.chunk_size, self.softcap, head.bias)

@@ -1,0 +1,78 @@
+"""The chunked linear + cross-entropy equals the full-logits loss, value and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lora_tune.loss import IGNORE, CausalLMLoss, chunking_refusal, linear_cross_entropy
+
+
+def reference(hidden, weight, targets, divisor, softcap=None, bias=None):
+    logits = (hidden @ weight.t() + (0 if bias is None else bias)).float()
+    if softcap:
+        logits = softcap * torch.tanh(logits / softcap)
+    return torch.nn.functional.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum") / divisor
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+@pytest.mark.parametrize("softcap,with_bias", [(None, False), (30.0, False), (None, True)])
+def test_chunked_loss_and_its_gradient_equal_the_full_logits(chunk, softcap, with_bias):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(50, 16, generator=g, dtype=torch.float32)
+    weight = torch.randn(97, 16, generator=g, dtype=torch.float32)
+    bias = torch.randn(97, generator=g, dtype=torch.float32) if with_bias else None
+    targets = torch.randint(0, 97, (50,), generator=g)
+    targets[::4] = IGNORE
+    h1, h2 = hidden.clone().requires_grad_(), hidden.clone().requires_grad_()
+    expected = reference(h1, weight, targets, 33.0, softcap, bias)
+    got = linear_cross_entropy(h2, weight, targets, 33.0, chunk, softcap, bias)
+    (2.5 * expected).backward()
+    (2.5 * got).backward()  # an upstream gradient other than 1 is carried through
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(h2.grad, h1.grad, rtol=1e-5, atol=1e-7)
+    assert (h2.grad[::4] == 0).all()  # masked positions never reached the head
+
+
+def test_no_gradient_is_kept_in_evaluation():
+    hidden, weight = torch.randn(8, 4), torch.randn(11, 4)
+    targets = torch.randint(0, 11, (8,))
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets, 8, 3)
+    assert loss.grad_fn is None and loss == pytest.approx(float(reference(hidden, weight, targets, 8)), rel=1e-6)
+
+
+def test_chunked_and_full_loss_train_the_same_lora_gradients(tiny_model):
+    from lora_tune.adapter import add_lora
+    from lora_tune.batching import collate
+    from lora_tune.config import TrainConfig
+    from lora_tune.data import Sample
+    from lora_tune.model_loading import load_base_model
+
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4, dropout=0.0)
+    peft_model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, "b")
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.02)
+    ids = torch.randint(3, 500, (3, 40), generator=torch.Generator().manual_seed(1)).tolist()
+    batch = collate([[Sample(r, [IGNORE] * 10 + r[10:])] for r in ids], pad_id=0, packed=False)
+    results = []
+    for chunk in (0, 16):
+        model = CausalLMLoss(peft_model, chunk)
+        peft_model.zero_grad()
+        loss = model(**batch.inputs, num_items_in_batch=batch.label_tokens)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}))
+    (full, g_full), (chunked, g_chunked) = results
+    torch.testing.assert_close(chunked, full, rtol=1e-5, atol=0)
+    scale = max(float(g.abs().max()) for g in g_full.values())
+    for k in g_full:
+        torch.testing.assert_close(g_chunked[k], g_full[k], rtol=1e-4, atol=1e-6 * scale)
+
+
+def test_logit_scaling_models_fall_back_to_the_full_loss():
+    from transformers import CohereConfig, LlamaConfig
+
+    assert chunking_refusal(LlamaConfig()) is None
+    assert "logit_scale" in chunking_refusal(CohereConfig(logit_scale=0.0625))
