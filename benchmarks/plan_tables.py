@@ -40,7 +40,12 @@ def main() -> None:
     print("| setup | plan per GPU | fits | published |\n|---|---|---|---|")
     print(row("Llama-3.1-70B bf16, ZeRO-3 + checkpointing, 8x A100-80, mb 1 x 2048", l70, plan.Setup(zero=3, gpus=8), "a100-80", "seed: 24 GB/GPU (fp16 full FT); torchtune LoRA: 27.6 GiB/GPU"))
     print(row("Llama-3.1-70B QLoRA r32, mb 1 x 2048, one GPU", l70, plan.Setup(precision="4bit", rank=32), "a100-80", "Unsloth: 41 GB (their offloaded checkpointing, chunked loss)"))
+    print(row("Llama-3.1-70B QLoRA r32, mb 1 x 2048, one GPU, activation offload", l70, plan.Setup(precision="4bit", rank=32, activation_offload=True), "a100-80", "Unsloth: 41 GB"))
+    l2_70 = plan.load_architecture("llama2-70b")
+    print(row("Llama-2-70B QLoRA, FSDP2 + CPU offload, 2x RTX 4090, mb 2 x 2048", l2_70, plan.Setup(precision="4bit", backend="fsdp", offload="cpu", gpus=2, micro_batch_size=2),
+              "rtx4090", "Answer.AI FSDP+QLoRA: 14.9 GiB peak; peft docs: 19.6 GB"))
     print(row("Llama-3.1-8B LoRA bf16, mb 2 x 2048 packed, RTX 4090", l8, plan.Setup(micro_batch_size=2), "rtx4090", "torchtune: 16.2 GiB"))
+    print(row("Llama-3.1-8B LoRA bf16, same, full logits (--loss-chunk-size 0)", l8, plan.Setup(micro_batch_size=2, loss_chunk_size=0), "rtx4090", "torchtune: 16.2 GiB (chunked loss)"))
     print(row("Llama-3.1-8B QLoRA, mb 2 x 2048 packed, RTX 4090", l8, plan.Setup(precision="4bit", micro_batch_size=2), "rtx4090", "torchtune: 7.4 GiB"))
 
 

@@ -2,10 +2,12 @@
 whole per rank (how ZeRO-2 loads, and how quantized bases loaded under ZeRO-3 before).
 
 Model: Llama-shaped, random bf16 weights (hidden 1024, intermediate 2816, 16 layers, vocab 32000:
-~0.5 B parameters, ~1 GB in bf16), saved in ~200 MB safetensors shards. Each route runs
+~0.25 B parameters, 0.47 GiB in bf16), saved in ~200 MB safetensors shards. Each route runs
 `lora-tune train --nproc 2` for one step; every rank prints what it holds and its peak memory
 (CPU: peak RSS of the rank's process, VmHWM) right after loading. On a CPU machine the "device"
-is host RAM, so that peak is the host's too.
+is host RAM, so that peak is the host's too. Each route also runs on a 2-layer model of hidden
+size 64: what a rank needs before any model (imports, runtime, buffers); the difference between the
+two is what loading this model costs the rank.
 
     python benchmarks/sharded_loading.py [--workdir DIR] [--tiny]
 """
@@ -74,24 +76,26 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="sharded-loading-"))
     base = build_model(work / ("tiny" if args.tiny else "model"), args.tiny)
+    floor = build_model(work / "tiny", True)
     data = work / "data.jsonl"
     data.write_text("".join(json.dumps({"text": f"sample {i} of the loading benchmark"}) + "\n" for i in range(8)))
+    import shutil
+
     results = {}
     for name, flags in ROUTES:
-        out = work / re.sub(r"\W+", "-", name)
-        if out.exists():
-            import shutil
-
-            shutil.rmtree(out)
-        results[name] = max(run_route(base, data, out, flags).values())
+        peaks = []
+        for model in (base, floor):
+            out = work / (re.sub(r"\W+", "-", name) + model.name)
+            shutil.rmtree(out, ignore_errors=True)
+            peaks.append(max(run_route(model, data, out, flags).values()))
+        results[name] = (peaks[0], peaks[1], peaks[0] - peaks[1])
     size = sum(p.stat().st_size for p in base.glob("*.safetensors"))
     print(f"model: {size / 2**30:.2f} GiB of bf16 safetensors; 2 ranks; peak memory per rank after loading (GiB)")
-    print("| route | peak per rank | ratio to whole per rank |")
-    print("|---|---|---|")
-    for name, peak in results.items():
-        precision = name.split(",")[0]
-        whole = results[f"{precision}, whole per rank (ZeRO-2)"]
-        print(f"| {name} | {peak:.2f} | {peak / whole:.2f} |")
+    print("| route | peak per rank | without the model | the model's part | ratio to whole per rank |")
+    print("|---|---|---|---|---|")
+    for name, (peak, empty, model_part) in results.items():
+        whole = results[f"{name.split(',')[0]}, whole per rank (ZeRO-2)"][2]
+        print(f"| {name} | {peak:.2f} | {empty:.2f} | {model_part:.2f} | {model_part / whole:.2f} |")
 
 
 if __name__ == "__main__":

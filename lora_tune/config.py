@@ -58,7 +58,7 @@ class TrainConfig(BaseModel):
     max_grad_norm: float = Field(1.0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
     gradient_checkpointing: bool = Field(True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory.")
     activation_offload: bool = Field(False, json_schema_extra=FREE, description="With checkpointing, keep the checkpointed layer inputs in pinned host memory instead of on the GPU (CUDA only; slower steps, less GPU memory at long sequences).")
-    loss_chunk_size: int = Field(1024, json_schema_extra=FREE, description="Compute the output head and cross-entropy this many label tokens at a time, never materialising the whole [tokens x vocab] logits (0: the model's own full-logits loss).")
+    loss_chunk_size: Optional[int] = Field(None, json_schema_extra=FREE, description="Compute the output head and cross-entropy this many label tokens at a time, never materialising the whole [tokens x vocab] logits. Default: about tokens x hidden / vocab per chunk (logits no bigger than the hidden states); 0: the model's own full-logits loss.")
     attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field("auto", json_schema_extra=FREE, description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU, else sdpa.")
     micro_batch_size: int = Field(1, json_schema_extra=MATH, description="Samples per forward/backward.")
     grad_accum: int = Field(1, json_schema_extra=MATH, description="Micro-batches per optimizer step.")
@@ -131,7 +131,7 @@ class TrainConfig(BaseModel):
     @field_validator("warmup_steps", "weight_decay", "max_grad_norm", "loss_chunk_size")
     @classmethod
     def _non_negative(cls, v):
-        if v < 0:
+        if v is not None and v < 0:
             raise ValueError(f"must be >= 0 (got {v})")
         return v
 

@@ -16,6 +16,8 @@ runs. `--loss-chunk-size 0` computes the loss through the model's own forward in
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 IGNORE = -100
@@ -54,6 +56,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * (grad_output / ctx.divisor).to(grad_hidden.dtype), None, None, None, None, None, None
 
 
+def auto_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's rule: about tokens / (vocab / hidden) tokens per chunk, a power of two, so a chunk's
+    logits take about as much memory as the micro-batch's hidden states."""
+    return max(1, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / hidden)))))))
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float,
                          chunk_size: int, softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """sum over label tokens of -log softmax(hidden @ weight.T + bias)[target] / divisor, computed
@@ -76,9 +84,11 @@ def chunking_refusal(config) -> str | None:
 
 
 class CausalLMLoss(torch.nn.Module):
-    """The peft model whose forward returns the loss (summed over label tokens / `num_items_in_batch`)."""
+    """The peft model whose forward returns the loss (summed over label tokens / `num_items_in_batch`).
+    `chunk_size`: label tokens per chunk of the head + cross-entropy; None picks it per micro-batch
+    (`auto_chunk_size`); 0 runs the model's own full-logits loss."""
 
-    def __init__(self, peft_model, chunk_size: int):
+    def __init__(self, peft_model, chunk_size: int | None):
         super().__init__()
         self.peft_model = peft_model
         self.chunk_size = chunk_size
@@ -89,7 +99,7 @@ class CausalLMLoss(torch.nn.Module):
         return self.peft_model.get_base_model()
 
     def forward(self, input_ids, labels, num_items_in_batch, attention_mask=None, position_ids=None):
-        if not self.chunk_size:
+        if self.chunk_size == 0:
             return self.peft_model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
                                    num_items_in_batch=num_items_in_batch).loss
         hf_model = self.peft_model.get_base_model()
@@ -99,4 +109,5 @@ class CausalLMLoss(torch.nn.Module):
         hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
         targets = labels[:, 1:].reshape(-1)
         head = hf_model.get_output_embeddings()
-        return linear_cross_entropy(hidden, head.weight, targets, num_items_in_batch, self.chunk_size, self.softcap, head.bias)
+        chunk = self.chunk_size or auto_chunk_size(hidden.shape[0], hidden.shape[1], head.weight.shape[0])
+        return linear_cross_entropy(hidden, head.weight, targets, num_items_in_batch, chunk, self.softcap, head.bias)

@@ -18,8 +18,13 @@ Everything is computed from config.json alone (shipped for aliases), never from 
   where e is the compute dtype's size, q = heads*head_dim, kv = kv_heads*head_dim. Frozen base
   linears save nothing: their weight needs no gradient. With (non-reentrant) checkpointing each
   layer keeps only its input (e h per token) and one layer is recomputed at a time in backward.
-* logits: the loss upcasts to fp32 and keeps it (4 V per token); backward adds the fp32 gradient
-  and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
+* logits: with the chunked loss (the default), one chunk of C label tokens at a time: (8 + e) V C
+  at the peak, plus the hidden-size gradient kept from forward (e h per token). With the full
+  logits (--loss-chunk-size 0), the loss upcasts to fp32 and keeps it (4 V per token); backward adds
+  the fp32 gradient and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
+* packing fills every row up to --max-seq-len, so a micro-batch holds micro_batch_size x max_seq_len
+  tokens: the same worst case the plan assumes without it (full-length samples).
+* activation offload moves the checkpointed layer inputs (e h per token per layer) to host memory.
 * ZeRO-2 divides gradients and optimizer states by the world size, ZeRO-3 also the weights (plus
   one gathered layer); offload moves optimizer states (ZeRO-3: also weights) to host RAM or NVMe.
   Bases under ZeRO-3 and FSDP2 are partitioned while they load (zero.Init, or layer by layer for
@@ -117,6 +122,8 @@ class Setup:
     max_seq_len: int = 2048
     gradient_checkpointing: bool = True
     optim: str = "adamw_8bit"
+    loss_chunk_size: int | None = None  # None: lora_tune.loss.auto_chunk_size; 0: full logits
+    activation_offload: bool = False
     backend: str = "single"
     zero: int = 0
     offload: str = "none"
@@ -205,14 +212,25 @@ def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
     if not setup.gradient_checkpointing:
         saved = arch.layers * full_layer + final_norm
         return saved, saved
-    saved = arch.layers * e * arch.hidden * tokens + final_norm
-    return saved, saved + full_layer  # one layer's activations rebuilt at a time in backward
+    # Each layer keeps its input (on the host with activation offload), one is rebuilt at a time.
+    kept = 0 if setup.activation_offload else arch.layers * e * arch.hidden * tokens
+    saved = kept + final_norm
+    return saved, saved + full_layer
 
 
 def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
-    """(saved: fp32 logits + labels, peak: plus the fp32 gradient and compute-dtype logits)."""
+    """(saved between forward and backward, peak). Full logits: the loss keeps the fp32 upcast (and
+    labels); backward adds the fp32 gradient while the compute-dtype logits exist: (8 + e) V per
+    token. Chunked (lora_tune.loss): one chunk of logits at a time in the compute dtype, fp32 and the
+    fp32 softmax gradient, and the hidden-size gradient kept from forward to backward."""
     tokens = setup.micro_batch_size * setup.max_seq_len
     e = ELEMENT[setup.precision]
+    if setup.loss_chunk_size != 0:
+        from lora_tune.loss import auto_chunk_size
+
+        chunk = min(setup.loss_chunk_size or auto_chunk_size(tokens, arch.hidden, arch.vocab), tokens)
+        kept = tokens * arch.hidden * e + tokens * 8  # gradient w.r.t. the hidden states, labels
+        return kept, kept + chunk * arch.vocab * (e + 8)
     return tokens * (4 * arch.vocab + 8), tokens * (8 + e) * arch.vocab
 
 
@@ -223,7 +241,7 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
     tensors = lora_tensors(arch, setup)
     trainable = sum(tensors)
     lora_bytes, grads, optim = 4 * trainable, 4 * trainable, optimizer_bytes(tensors, setup.optim)
-    host = {"offloaded_optimizer_bytes": 0, "offloaded_weights_bytes": 0, "loading_bytes": 0}
+    host = {"offloaded_optimizer_bytes": 0, "offloaded_weights_bytes": 0, "offloaded_activations_bytes": 0, "loading_bytes": 0}
     nvme = 0
     fsdp = setup.backend == "fsdp"
     if setup.zero >= 1 or fsdp:
@@ -259,6 +277,8 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
     # Loading: each process streams the checkpoint shard by shard (peak ~ one 5 GB shard) into
     # its device, or layer by layer (ZeRO-3 quantized, FSDP2), which is less.
     host["loading_bytes"] = setup.gpus * min(5 * 10**9, base_weight_bytes(arch, "bf16")[0])
+    if setup.activation_offload and setup.gradient_checkpointing:
+        host["offloaded_activations_bytes"] = setup.gpus * arch.layers * ELEMENT[setup.precision] * arch.hidden * setup.micro_batch_size * setup.max_seq_len
     host["total_bytes"] = sum(host.values())
     saved_act, peak_act = activation_bytes(arch, setup)
     saved_logits, peak_logits = logits_bytes(arch, setup)
@@ -282,6 +302,7 @@ SLOWDOWN = {
     "zero": {0: 1.0, 1: 1.02, 2: 1.05, 3: 1.2},
     "fsdp": 1.15,  # all-gathers per layer like ZeRO-3, overlapped by FSDP2's prefetch
     "offload": {"none": 1.0, "cpu": 1.6, "nvme": 3.0},
+    "activation_offload": {False: 1.0, True: 1.1},  # a device-to-host copy per layer in forward, back in backward
 }
 
 
@@ -289,7 +310,8 @@ def relative_speed(setup: Setup) -> float:
     tokens = setup.micro_batch_size * setup.max_seq_len
     utilisation = min(1.0, tokens / 8192) ** 0.3  # small batches leave the GPU underused
     cost = (SLOWDOWN["precision"][setup.precision] * SLOWDOWN["checkpointing"][setup.gradient_checkpointing]
-            * (SLOWDOWN["fsdp"] if setup.backend == "fsdp" else SLOWDOWN["zero"][setup.zero]) * SLOWDOWN["offload"][setup.offload])
+            * (SLOWDOWN["fsdp"] if setup.backend == "fsdp" else SLOWDOWN["zero"][setup.zero]) * SLOWDOWN["offload"][setup.offload]
+            * SLOWDOWN["activation_offload"][setup.activation_offload])
     return setup.world * utilisation / cost
 
 
@@ -301,10 +323,10 @@ def candidates(base: Setup):
             continue  # one process can't use several GPUs
         if base.world == 1 and cell.backend != "single" and cell.offload == "none":
             continue  # sharding over one GPU only matters with offload
-        for ckpt in (False, True):
+        for ckpt, act_offload in ((False, False), (True, False), (True, True)):
             for mbs in (1, 2, 4, 8, 16):
                 yield replace(base, precision=cell.precision, backend=cell.backend, zero=cell.zero, offload=cell.offload,
-                              gradient_checkpointing=ckpt, micro_batch_size=mbs)
+                              gradient_checkpointing=ckpt, activation_offload=act_offload, micro_batch_size=mbs)
 
 
 def fits(est: Estimate, gpu_bytes: int, cpu_bytes: int | None) -> bool:
@@ -367,6 +389,8 @@ def train_command(base: str, setup: Setup) -> str:
     parts = ["lora-tune train", f"--base {base}", f"--precision {setup.precision}", f"--rank {setup.rank}",
              f"--micro-batch-size {setup.micro_batch_size}", f"--max-seq-len {setup.max_seq_len}", f"--optim {setup.optim}",
              "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing"]
+    if setup.activation_offload:
+        parts.append("--activation-offload")
     if setup.backend == "fsdp":
         parts += ["--backend fsdp", f"--offload {setup.offload}"]
     elif setup.zero:
@@ -381,7 +405,8 @@ def train_command(base: str, setup: Setup) -> str:
 
 OOM_ADVICE = [
     "a smaller --micro-batch-size with a larger --grad-accum (same effective batch)",
-    "--gradient-checkpointing (recompute activations in backward)",
+    "--gradient-checkpointing (recompute activations in backward), then --activation-offload (keep its layer inputs in host memory)",
+    "the chunked loss: leave --loss-chunk-size at its default, or lower it (never the whole [tokens x vocab] logits)",
     "--optim adamw_8bit (2 B instead of 8 B of optimizer state per LoRA parameter)",
     "--precision 4bit (NF4 base: ~0.52 B per weight instead of 2)",
     "ZeRO-3 with CPU offload across several GPUs",
@@ -393,7 +418,8 @@ OOM_ADVICE = [
 def setup_from(cfg) -> Setup:
     return Setup(precision=cfg.precision, rank=cfg.rank, target_modules=tuple(cfg.target_modules or MODULES),
                  micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len, gradient_checkpointing=cfg.gradient_checkpointing,
-                 optim="adamw" if cfg.optim == "adamw" else "adamw_8bit",
+                 optim="adamw" if cfg.optim == "adamw" else "adamw_8bit", loss_chunk_size=cfg.loss_chunk_size,
+                 activation_offload=cfg.activation_offload,
                  backend=engines.backend_name(cfg), zero=getattr(cfg, "zero", 0), offload=getattr(cfg, "offload", "none"),
                  gpus=getattr(cfg, "gpus", None) or cfg.nproc or int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                  nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))

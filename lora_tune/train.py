@@ -185,7 +185,7 @@ class Recipe:
             log.warning("packing off: %s; training on padded batches instead (pass --no-packing to silence this)", reason)
             self.packing = False
         self.loss_chunk_size = cfg.loss_chunk_size
-        reason = chunking_refusal(config) if cfg.loss_chunk_size else None
+        reason = chunking_refusal(config) if cfg.loss_chunk_size != 0 else None
         if reason:
             log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
             self.loss_chunk_size = 0
@@ -193,8 +193,8 @@ class Recipe:
             raise UserError("--activation-offload moves the inputs that gradient checkpointing keeps: it needs --gradient-checkpointing")
         if cfg.activation_offload and self.device.type != "cuda":
             raise UserError(f"--activation-offload needs a CUDA GPU (on {self.device} the activations already live in host memory); leave it out")
-        log.info("attention: %s; packing %s; loss %s", attention, "on" if self.packing else "off",
-                 f"chunked ({self.loss_chunk_size} tokens)" if self.loss_chunk_size else "full logits")
+        chunks = "full logits" if self.loss_chunk_size == 0 else f"chunked ({self.loss_chunk_size or 'auto'} tokens per chunk)"
+        log.info("attention: %s; packing %s; loss %s", attention, "on" if self.packing else "off", chunks)
 
     def setup(self) -> None:
         cfg = self.cfg

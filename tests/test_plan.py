@@ -131,13 +131,15 @@ def test_model_states_are_exact(precision, optim, tiny_model):
         assert estimate.per_device[key] == value, key
 
 
-def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int) -> int:
-    """Bytes autograd keeps for backward during one forward (parameters and their casts excluded)."""
+def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int, chunk: int) -> int:
+    """Bytes autograd keeps for backward during one forward through the training loss (parameters
+    and their casts excluded)."""
     from lora_tune.adapter import add_lora
+    from lora_tune.loss import CausalLMLoss
     from lora_tune.model_loading import compute_dtype, load_base_model
 
     cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision=precision, rank=8, gradient_checkpointing=checkpointing, dropout=0.0)
-    model = add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b")
+    model = CausalLMLoss(add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b"), chunk)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     small = 0
@@ -158,16 +160,17 @@ def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batc
     ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
     autocast = torch.autocast("cpu", dtype=compute_dtype(precision)) if precision != "fp32" else torch.autocast("cpu", enabled=False)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        model(input_ids=ids, labels=ids)
+        model(input_ids=ids, labels=ids, num_items_in_batch=ids.numel())
     return sum(seen.values())
 
 
+@pytest.mark.parametrize("chunk", [1024, 0], ids=["chunked-loss", "full-logits"])
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_activations_within_10_percent_of_saved_tensors(precision, checkpointing, tiny_model):
+def test_activations_within_10_percent_of_saved_tensors(precision, checkpointing, chunk, tiny_model):
     seq, batch = 128, 2
-    measured = _saved_bytes(tiny_model, precision, checkpointing, seq, batch)
-    setup = plan.Setup(precision=precision, rank=8, micro_batch_size=batch, max_seq_len=seq, gradient_checkpointing=checkpointing)
+    measured = _saved_bytes(tiny_model, precision, checkpointing, seq, batch, chunk)
+    setup = plan.Setup(precision=precision, rank=8, micro_batch_size=batch, max_seq_len=seq, gradient_checkpointing=checkpointing, loss_chunk_size=chunk)
     planned = plan.estimate(plan.load_architecture(str(tiny_model)), setup).saved_activations_bytes
     assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
 
@@ -266,7 +269,7 @@ def test_readme_plan_tables_are_what_plan_computes():
     assert proc.returncode == 0, proc.stderr[-2000:]
     readme = (root / "README.md").read_text()
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "GiB" in line]
-    assert len(rows) == 8
+    assert len(rows) == 11
     for line in rows:
         assert line in readme, line
 

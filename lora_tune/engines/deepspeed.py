@@ -70,7 +70,7 @@ class DeepSpeedEngine:
             base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3,
                                    attn_implementation=attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device))
         self.model = add_adapter(base)
-        if self.zero3 and self.model.chunk_size:
+        if self.zero3 and self.model.chunk_size != 0:
             # The chunked loss reads the head's weight inside the loss module's forward, not through
             # the head's own forward: ZeRO-3 must gather it for the loss module.
             deepspeed.zero.register_external_parameter(self.model, self.model.get_base_model().get_output_embeddings().weight)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One GPU, random weights, no downloads: Llama-3-8B-shaped bf16 LoRA r16 and 4-bit QLoRA at 2,048 and
+# 8,192 tokens, lora-tune vs TRL (packing) vs HF Trainer + PEFT: tokens/s, MFU, peak
+# max_memory_allocated, and the plan vs what lora-tune measured. Results: benchmarks/results/gpu_bench.md
+# (and .jsonl). Finishes within 8 minutes on one H200 (8 steps per route).
+#
+#   bash benchmarks/gpu_bench.sh            # on a GPU
+#   GPU_BENCH_TINY=1 bash benchmarks/gpu_bench.sh   # the same script on a tiny shape (the test suite, on CPU)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+shape=8b; steps=8; seqs="2048 8192"; out=benchmarks/results/gpu_bench
+if [ -n "${GPU_BENCH_TINY:-}" ]; then shape=tiny; steps=2; seqs="64"; out="${GPU_BENCH_OUT:-$(mktemp -d)/gpu_bench}"; fi
+work="${GPU_BENCH_WORK:-$(mktemp -d)}"
+rm -f "$out.jsonl"
+{
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU (CPU run)"
+  for precision in bf16 4bit; do
+    for seq in $seqs; do
+      python benchmarks/train_vs_peers.py --shape "$shape" --precision "$precision" --seq "$seq" --micro-batch 1 \
+        --max-steps "$steps" --samples 64 --equal-length --workdir "$work" --json "$out.jsonl" 2>/dev/null
+      echo
+    done
+  done
+} | tee "$out.md"
