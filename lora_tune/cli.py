@@ -50,6 +50,8 @@ def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
             kind = type(choices[0])  # validated by the schema, so the message is the same for YAML and flags
         if is_list:
             kw["nargs"] = "+"
+        if not isinstance(kind, type):  # e.g. a source: a string on the command line, a mapping only in YAML
+            kind = str
         parser.add_argument(flag(name, f), type=kind, **kw)
 
 

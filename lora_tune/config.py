@@ -8,7 +8,7 @@ computes and must match the checkpoint; the others (run length, cadence, reporti
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -38,13 +38,19 @@ class TrainConfig(BaseModel):
     dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
 
     # --- data --------------------------------------------------------------------------------
-    data: str = Field(json_schema_extra=MATH, description="Training data: a .jsonl/.json/.parquet/.csv file or folder, or a hub dataset name. Columns decide the format: text | instruction/input/output | messages | prompt/completion.")
-    eval_data: Optional[str] = Field(None, json_schema_extra=MATH, description="Evaluation data, same formats as --data.")
+    data: list[Union[str, dict]] = Field(json_schema_extra=MATH, description="Training data, one or more sources: a .jsonl/.json/.parquet/.csv file or folder, or a hub dataset (name or name:config:split). Columns decide the format: text | instruction/input/output | messages (OpenAI, tools) | conversations (ShareGPT) | prompt/completion | input_ids (pretokenized). In YAML a source may be a mapping of path, weight, columns, config, split.")
+    data_weights: Optional[list[float]] = Field(None, json_schema_extra=MATH, description="Mix the --data sources in these proportions (one weight each; deterministic for --seed). Default: every row of every source once.")
+    data_columns: Optional[str] = Field(None, json_schema_extra=MATH, description="Rename columns to the names a format expects, e.g. instruction=question,output=answer (every source).")
+    system_message: Literal["auto", "keep", "merge", "drop"] = Field("auto", json_schema_extra=MATH, description="Chat data with a system message: keep it, merge it into the first user turn (for templates without a system role: Gemma, Mistral), or drop it. auto: keep where the chat template accepts it, else merge.")
+    eval_data: Optional[list[Union[str, dict]]] = Field(None, json_schema_extra=MATH, description="Evaluation data, same formats as --data.")
     eval_split: float = Field(0.0, json_schema_extra=MATH, description="Fraction of --data held out for evaluation when --eval-data is not given (e.g. 0.05).")
     eval_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Evaluate every N optimizer steps (default: only at the end, when there is eval data).")
     max_seq_len: int = Field(2048, json_schema_extra=MATH, description="Maximum tokens per sample.")
     long_samples: Literal["truncate", "drop"] = Field("truncate", json_schema_extra=MATH, description="What to do with samples longer than --max-seq-len.")
     train_on_prompt: bool = Field(False, json_schema_extra=MATH, description="Also compute the loss on prompt / user tokens (default: only on the response).")
+    data_workers: Optional[int] = Field(None, json_schema_extra=FREE, description="Processes that tokenize large sources (default: the CPU count, at most 8).")
+    data_cache_dir: Optional[str] = Field(None, json_schema_extra=FREE, description="Where tokenized data is cached (default: the datasets cache, under lora_tune/).")
+    data_cache: bool = Field(True, json_schema_extra=FREE, description="Cache tokenized data on disk and memory-map it (--no-data-cache: tokenize in memory every run).")
     packing: bool = Field(True, json_schema_extra=MATH, description="Pack samples into rows of up to --max-seq-len tokens (best-fit decreasing; no attention across samples). Falls back to padded batches, with a log line, for models whose attention can't separate packed samples.")
     group_by_length: bool = Field(True, json_schema_extra=MATH, description="Without packing: batch samples of similar length together to cut padding.")
 
@@ -107,7 +113,19 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be a positive integer (got {v})")
         return v
 
-    @field_validator("max_steps", "save_steps", "eval_steps", "save_total_limit", "nproc")
+    @field_validator("data", "eval_data", mode="before")
+    @classmethod
+    def _sources(cls, v):
+        return [v] if isinstance(v, (str, dict)) else v
+
+    @field_validator("data")
+    @classmethod
+    def _some_data(cls, v):
+        if v is not None and not v:
+            raise ValueError("give at least one source")
+        return v
+
+    @field_validator("max_steps", "save_steps", "eval_steps", "save_total_limit", "nproc", "data_workers")
     @classmethod
     def _positive_or_none(cls, v):
         if v is not None and v <= 0:
@@ -230,7 +248,7 @@ class PlanConfig(TrainConfig):
     """`lora-tune plan` takes every `train` option (so a training YAML plans as it is) plus the
     hardware; data and output folder are not needed."""
 
-    data: Optional[str] = Field(None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused).")
+    data: Optional[list[Union[str, dict]]] = Field(None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused).")
     output_dir: Optional[str] = Field(None, json_schema_extra=FREE, description="Not needed for planning.")
     gpus: int = Field(1, description="GPUs per node.")
     nodes: int = Field(1, description="Nodes.")

@@ -162,11 +162,14 @@ class Recipe:
         self.device = pick_device()
         self.check_speed_levers()
         self.data = prepare_data(cfg, self.tokenizer)
+        if len(self.data.per_source) > 1:
+            for line in self.data.per_source:
+                log.info("data source %s", line)
         log.info("data: %s format, %s; %d train / %d eval samples", self.data.format, self.data.stats.summary(), len(self.data.train), len(self.data.eval))
         saved_state = check_resume_compatible(cfg, self.data, self.resume_from) if self.resume_from else None
-        self.batches = MicroBatches([len(s.input_ids) for s in self.data.train], cfg.micro_batch_size, cfg.seed, self.packing, cfg.group_by_length, cfg.max_seq_len)
+        self.batches = MicroBatches(self.data.train.lengths, cfg.micro_batch_size, cfg.seed, self.packing, cfg.group_by_length, cfg.max_seq_len)
         if self.packing:
-            tokens = sum(len(s.input_ids) for s in self.data.train)
+            tokens = sum(self.data.train.lengths)
             log.info("packing: %d samples in %d rows of up to %d tokens (%.0f%% full)", len(self.data.train), self.batches.n_rows, cfg.max_seq_len,
                      100 * tokens / (self.batches.n_rows * cfg.max_seq_len))
         self.total_steps = total_steps(cfg, len(self.batches))
@@ -299,7 +302,7 @@ class Recipe:
     def _evaluate(self) -> dict:
         samples, mbs = self.data.eval, self.cfg.micro_batch_size
         if self.packing:
-            rows = pack_best_fit_decreasing([len(s.input_ids) for s in samples], self.cfg.max_seq_len)
+            rows = pack_best_fit_decreasing(samples.lengths, self.cfg.max_seq_len)
         else:
             rows = [[i] for i in range(len(samples))]
         batches = [collate([[samples[i] for i in row] for row in rows[j : j + mbs]], self.pad_id, self.packing) for j in range(0, len(rows), mbs)]

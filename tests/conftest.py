@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tokenized data is cached under the datasets cache: keep the suite's out of the user's.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora-tune-tests-datasets-"))
 
 
 @pytest.fixture(scope="session")
@@ -69,7 +72,7 @@ def fast_train_args(base: Path, data: Path, out: Path, **overrides) -> list[str]
     """A few steps of fp32 training on the tiny model; overrides use flag names without dashes."""
     opts = {"precision": "fp32", "rank": 4, "lr": 5e-3, "max_steps": 4, "micro_batch_size": 2, "max_seq_len": 128, "optim": "adamw", "seed": 7}
     opts.update(overrides)
-    args = ["train", "--base", base, "--data", data, "--output-dir", out]
+    args = ["train", "--base", base, "--data", *(data if isinstance(data, list) else [data]), "--output-dir", out]
     for k, v in opts.items():
         name = "--" + k.replace("_", "-")
         if v is True:

@@ -42,7 +42,7 @@ def _case(name, tmp_path: Path, tiny_model: Path, good: Path):
         return fast_train_args(tiny_model, p, out, **base), "line 3 is not valid JSON"
     if name == "unknown columns":
         p = write_jsonl(tmp_path / "qa.jsonl", [{"question": "q", "answer": "a"}])
-        return fast_train_args(tiny_model, p, out, **base), "instruction/input/output"
+        return fast_train_args(tiny_model, p, out, **base), "instruction + output (alpaca)"
     if name == "empty dataset":
         p = tmp_path / "empty.jsonl"
         p.write_text("")
@@ -103,6 +103,19 @@ def _case(name, tmp_path: Path, tiny_model: Path, good: Path):
         d = tmp_path / "not-a-model"
         d.mkdir()
         return fast_train_args(d, good, out), "has no config.json"
+    if name == "bad column mapping":
+        return fast_train_args(tiny_model, good, out, data_columns="instruction"), "--data-columns: 'instruction' is not NAME=COLUMN"
+    if name == "mapped column missing":
+        return fast_train_args(tiny_model, good, out, data_columns="text=body"), "has no column 'body' to map"
+    if name == "weights do not match sources":
+        return fast_train_args(tiny_model, good, out, data_weights=["1", "2"]), "--data-weights: 2 weights for 1 sources"
+    if name == "sharegpt unknown speaker":
+        p = write_jsonl(tmp_path / "sg.jsonl", [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+                                                {"conversations": [{"from": "narrator", "value": "x"}]}])
+        return fast_train_args(tiny_model, p, out, **base), "sg.jsonl: row 2: conversations[0] is from 'narrator'"
+    if name == "pretokenized ids out of vocabulary":
+        p = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 5, 70000]}])
+        return fast_train_args(tiny_model, p, out, **base), "token id 70000 is outside the tokenizer's vocabulary"
     raise KeyError(name)
 
 
@@ -110,7 +123,8 @@ CASES = ["missing data", "folder without data files", "unsupported extension", "
          "messages without assistant", "rank 0", "negative rank", "unknown precision", "lr 0", "max-seq-len 0", "unknown alias",
          "missing base dir", "unknown config key", "rank not a number", "missing output dir", "eval split out of range",
          "zero max steps", "zero micro batch", "unknown scheduler", "unknown optimizer", "reporter not installed", "invalid yaml",
-         "missing config file", "output dir is a file", "hub dataset unreachable", "base folder without config"]
+         "missing config file", "output dir is a file", "hub dataset unreachable", "base folder without config", "bad column mapping",
+         "mapped column missing", "weights do not match sources", "sharegpt unknown speaker", "pretokenized ids out of vocabulary"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -112,10 +112,15 @@ def step_gradients(base: Path, data: Path, out: Path, mbs: int, ga: int) -> dict
         recipe.cleanup()
 
 
-def test_resume_after_a_checkpoint_equals_an_uninterrupted_run(tiny_model, data_files, tmp_path, capsys):
+@pytest.mark.parametrize("mixed", [False, True], ids=["one-source", "two-sources-mixed"])
+def test_resume_after_a_checkpoint_equals_an_uninterrupted_run(mixed, tiny_model, data_files, tmp_path, capsys):
     args = dict(max_steps=6, save_steps=3, grad_accum=2, dropout=0.1, lr_scheduler="cosine", warmup_steps=2)
+    data = data_files["alpaca"]
+    if mixed:  # two cached sources in a weighted mix: the same samples come back in the same order
+        data = [data_files["alpaca"], data_files["messages"]]
+        args["data_weights"] = ["2", "1"]
     full = tmp_path / "full"
-    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], full, **args), capsys)
+    code, _, err = run_cli(fast_train_args(tiny_model, data, full, **args), capsys)
     assert code == 0, err
 
     # A run that stopped right after checkpoint-3: its folder holds just what was on disk then.
@@ -124,7 +129,7 @@ def test_resume_after_a_checkpoint_equals_an_uninterrupted_run(tiny_model, data_
     shutil.copytree(full / "checkpoint-3", stopped / "checkpoint-3")
     shutil.copy(full / "lora_tune_config.yaml", stopped)
     (stopped / "metrics.jsonl").write_text("".join(line + "\n" for line in (full / "metrics.jsonl").read_text().splitlines()[:5]))
-    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], stopped, resume=True, **args), capsys)
+    code, _, err = run_cli(fast_train_args(tiny_model, data, stopped, resume=True, **args), capsys)
     assert code == 0, err
     assert "resumed from" in err
 

@@ -1,0 +1,198 @@
+"""Data stage: sources -> format -> tokens with loss masks -> (mixed) train and eval samples.
+
+Each source is read with `datasets` (Arrow), its format detected from its columns (after
+`--data-columns` renames them), tokenized a batch at a time in `--data-workers` processes, and the
+result cached on disk and memory-mapped (`cache`): samples are never held as Python objects, a
+second run or a resume starts at once, and the ranks of a job share one build. Several sources are
+mixed by weight, deterministically for the seed. Bad input is one `error:` line naming the source,
+the row and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from lora_tune.data import cache, formats, sources
+from lora_tune.data.formats.alpaca import NO_INPUT as ALPACA_NO_INPUT  # noqa: F401 - re-exported for tests and benchmarks
+from lora_tune.data.formats.alpaca import WITH_INPUT as ALPACA_WITH_INPUT  # noqa: F401
+from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, IGNORE, TRUNCATED, Tokenize
+from lora_tune.errors import UserError
+
+PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+
+
+class Samples:
+    """Tokenized samples read from a memory-mapped Arrow table; `lengths` for batching."""
+
+    def __init__(self, dataset=None):
+        self.ds = dataset
+        self.lengths = [int(n) for n in dataset["length"]] if dataset is not None and len(dataset) else []
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> Sample:
+        row = self.ds[int(i)]
+        return Sample(row["input_ids"], row["labels"])
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    truncated: int = 0
+    dropped_long: int = 0
+    dropped_no_labels: int = 0
+    tokens: int = 0
+
+    def summary(self) -> str:
+        return (f"{self.rows} rows; {self.truncated} truncated, {self.dropped_long} dropped as too long, "
+                f"{self.dropped_no_labels} dropped with no trainable tokens")
+
+    def add(self, other: "DataStats") -> None:
+        for k in vars(self):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass
+class PreparedData:
+    train: Samples
+    eval: Samples
+    format: str
+    stats: DataStats
+    fingerprint: str
+    eval_stats: DataStats = field(default_factory=DataStats)
+    per_source: list[str] = field(default_factory=list)
+
+
+def workers(cfg, rows: int) -> int | None:
+    if rows < PARALLEL_FROM:
+        return None
+    return cfg.data_workers or max(1, min(os.cpu_count() or 1, 8))
+
+
+def tokenized_source(source: sources.Source, tokenizer, cfg):
+    """(dataset of input_ids/labels/length, meta) for one source, from the cache when it is there."""
+    files = sources.local_files(source)
+    parts = {"data": sources.content_hash(source, files), "columns": source.columns, "tokenizer": cache.tokenizer_hash(tokenizer),
+             "max_seq_len": cfg.max_seq_len, "long_samples": cfg.long_samples, "train_on_prompt": cfg.train_on_prompt,
+             "system_message": getattr(cfg, "system_message", "auto"), "split": [source.config, source.split]}
+    key = cache.key_of(parts)
+
+    def build(workdir):
+        import datasets
+
+        raw = sources.load(source, files)
+        fmt = formats.detect(raw.column_names, source.label, source.option)
+        fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option)
+        ints = datasets.Sequence(datasets.Value("int32"))
+        features = datasets.Features({"input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "status": datasets.Value("int8")})
+        where = {"keep_in_memory": True} if workdir is None else {"cache_file_name": str(workdir / "tokens.arrow")}
+        if workdir is not None:
+            workdir.mkdir(parents=True, exist_ok=True)
+        ds = raw.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=raw.column_names, features=features,
+                     num_proc=workers(cfg, len(raw)), **where)
+        status = ds["status"]
+        stats = {"rows": len(raw), "truncated": status.count(TRUNCATED), "dropped_long": status.count(DROPPED_LONG),
+                 "dropped_no_labels": status.count(DROPPED_NO_LABELS)}
+        dropped = {DROPPED_LONG, DROPPED_NO_LABELS}
+        if any(s in dropped for s in status):
+            ds = ds.select([i for i, s in enumerate(status) if s not in dropped])
+        ds = ds.remove_columns(["status"])
+        stats["tokens"] = int(sum(ds["length"]))
+        return ds, {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label}
+
+    root = cache.cache_root(cfg) if getattr(cfg, "data_cache", True) else None
+    try:
+        return cache.load_or_build(root, key, build)
+    except UserError:
+        raise
+    except Exception as e:  # an error raised in a tokenizing worker process arrives wrapped
+        cause = e
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__
+            if isinstance(cause, UserError):
+                raise UserError(str(cause), cause.exit_code) from None
+        raise
+
+
+def mix(datasets_: list, weights: list[float | None], seed: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """(source, row) pairs of the mixed set and the count per source. Without weights, every row of
+    every source once; with weights, each source's share of the combined size, drawn without
+    repetition from a seeded shuffle and repeated whole passes when a source must be upsampled."""
+    sizes = [len(d) for d in datasets_]
+    if all(w is None for w in weights):
+        counts = sizes
+    else:
+        w = [1.0 if x is None else x for x in weights]
+        total = sum(sizes)
+        counts = [max(1, round(total * x / sum(w))) for x in w]
+    picks = []
+    for s, (n, count) in enumerate(zip(sizes, counts)):
+        g = torch.Generator().manual_seed(seed * 7919 + s)
+        order = []
+        while len(order) < count:
+            order += torch.randperm(n, generator=g).tolist()
+        picks += [(s, i) for i in sorted(order[:count])]
+    return picks, counts
+
+
+def select(datasets_: list, picks: list[tuple[int, int]]):
+    import datasets
+
+    if len(datasets_) == 1:
+        return datasets_[0].select([i for _, i in picks])
+    offsets, at = [], 0
+    for d in datasets_:
+        offsets.append(at)
+        at += len(d)
+    return datasets.concatenate_datasets(datasets_).select([offsets[s] + i for s, i in picks])
+
+
+def prepare_data(cfg, tokenizer) -> PreparedData:
+    train_sources = sources.parse_sources(cfg.data, getattr(cfg, "data_weights", None), getattr(cfg, "data_columns", None))
+    built = [tokenized_source(s, tokenizer, cfg) for s in train_sources]
+    picks, counts = mix([d for d, _ in built], [s.weight for s in train_sources], cfg.seed)
+    stats, per_source = DataStats(), []
+    for source, (ds, meta), count in zip(train_sources, built, counts):
+        source_stats = DataStats(**meta["stats"])
+        stats.add(source_stats)
+        share = f", {count} in the mix (weight {source.weight})" if source.weight is not None else ""
+        per_source.append(f"{source.label}: {meta['format']}, {source_stats.summary()}; {len(ds)} samples, {source_stats.tokens:,} tokens{share}")
+    if not picks or all(len(d) == 0 for d, _ in built):
+        raise UserError(f"--data: no usable samples in {', '.join(s.label for s in train_sources)} ({stats.summary()}); raise --max-seq-len or use --long-samples truncate")
+    train = select([d for d, _ in built], picks)
+    eval_ds, eval_stats, eval_keys = None, DataStats(), []
+    if cfg.eval_data:
+        eval_sources = sources.parse_sources(cfg.eval_data, None, getattr(cfg, "data_columns", None), "--eval-data")
+        eval_built = [tokenized_source(s, tokenizer, cfg) for s in eval_sources]
+        for _, meta in eval_built:
+            eval_stats.add(DataStats(**meta["stats"]))
+            eval_keys.append(meta["key"])
+        eval_picks, _ = mix([d for d, _ in eval_built], [None] * len(eval_built), cfg.seed)
+        eval_ds = select([d for d, _ in eval_built], eval_picks)
+    elif cfg.eval_split > 0:
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        n_eval = max(1, math.ceil(len(train) * cfg.eval_split))
+        eval_ds = train.select(sorted(order[:n_eval]))
+        train = train.select(sorted(order[n_eval:]))
+    if len(train) == 0:
+        raise UserError(f"--data: no samples left for training after holding out --eval-split {cfg.eval_split}; lower it")
+    fingerprint = hashlib.sha256(json.dumps([[m["key"] for _, m in built], [s.weight for s in train_sources], counts, cfg.seed,
+                                             cfg.eval_split, eval_keys]).encode()).hexdigest()[:16]
+    formats_seen = sorted({m["format"] for _, m in built})
+    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, eval_stats, per_source)

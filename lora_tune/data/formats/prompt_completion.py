@@ -1,0 +1,14 @@
+"""Prompt / completion: `prompt`, `completion`; the loss is on the completion."""
+
+NAME = "prompt_completion"
+COLUMNS = ("prompt", "completion")
+
+
+def claims(columns: set) -> bool:
+    return True
+
+
+def pieces(record: dict, where: str, chat) -> list[tuple[str, bool]]:
+    from lora_tune.data.formats import string
+
+    return [(string(record, "prompt", where), False), (string(record, "completion", where), True)]

@@ -1,0 +1,160 @@
+"""Where training data comes from: local files and folders or hub datasets, each with an optional
+weight, column mapping and split; loaded with `datasets` (Arrow, memory-mapped), fingerprinted by
+content so the tokenized cache knows when they change."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from lora_tune.errors import UserError
+
+SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class Source:
+    path: str  # a local file or folder, or a hub dataset name
+    option: str = "--data"
+    weight: float | None = None
+    columns: dict = field(default_factory=dict, hash=False)  # format's column name -> the source's
+    config: str | None = None  # hub dataset configuration
+    split: str = "train"
+
+    @property
+    def label(self) -> str:
+        return self.path if self.split == "train" and not self.config else f"{self.path}:{self.config or ''}:{self.split}"
+
+
+def parse_columns(text: str | None, option: str = "--data-columns") -> dict[str, str]:
+    """'instruction=question,output=answer' -> {'instruction': 'question', 'output': 'answer'}."""
+    if not text:
+        return {}
+    mapping = {}
+    for part in text.split(","):
+        target, _, source = part.partition("=")
+        if not target.strip() or not source.strip():
+            raise UserError(f"{option}: {part!r} is not NAME=COLUMN; write e.g. instruction=question,output=answer")
+        mapping[target.strip()] = source.strip()
+    return mapping
+
+
+def parse_sources(entries, weights, columns_text, option: str = "--data") -> list[Source]:
+    """The --data entries (strings or, from YAML, mappings with path/weight/columns/split/config)."""
+    if entries is None:
+        return []
+    entries = [entries] if isinstance(entries, (str, dict)) else list(entries)
+    if weights is not None and len(weights) != len(entries):
+        raise UserError(f"--data-weights: {len(weights)} weights for {len(entries)} sources; give one weight per --data source")
+    shared = parse_columns(columns_text)
+    sources = []
+    for i, entry in enumerate(entries):
+        weight = weights[i] if weights is not None else None
+        if isinstance(entry, dict):
+            unknown = set(entry) - {"path", "weight", "columns", "config", "split"}
+            if "path" not in entry or unknown:
+                raise UserError(f"{option}: source {i + 1} must be a path or a mapping of path, weight, columns, config, split (got {sorted(entry)})")
+            columns = entry.get("columns") or {}
+            columns = parse_columns(columns) if isinstance(columns, str) else dict(columns)
+            weight = entry.get("weight", weight)
+            path, config, split = str(entry["path"]), entry.get("config"), entry.get("split") or "train"
+        else:
+            path, config, split, columns = str(entry), None, "train", {}
+            if not Path(path).expanduser().exists() and path.count(":") == 2:  # hub name:config:split
+                path, config, split = path.split(":")
+                config, split = config or None, split or "train"
+        if weight is not None and not weight > 0:
+            raise UserError(f"{option}: the weight of {path} must be > 0 (got {weight})")
+        sources.append(Source(path, option, weight, {**shared, **columns}, config, split))
+    return sources
+
+
+def local_files(source: Source) -> list[Path] | None:
+    """The files of a local source (None for a hub dataset); refuses what can't be read."""
+    path = Path(source.path).expanduser()
+    option, name = source.option, source.path
+    if path.is_file():
+        if path.suffix.lower() not in SUFFIXES:
+            raise UserError(f"{option}: {name} has an unsupported extension; use .jsonl, .json, .parquet or .csv")
+        if path.stat().st_size == 0 or not path.read_bytes()[:4096].strip():
+            raise UserError(f"{option}: {name} is empty; it needs at least one sample")
+        return [path]
+    if path.is_dir():
+        files = [p for p in sorted(path.iterdir()) if p.suffix.lower() in SUFFIXES]
+        if not files:
+            raise UserError(f"{option}: folder {name} holds no .jsonl/.json/.parquet/.csv files")
+        if len({SUFFIXES[p.suffix.lower()] for p in files}) > 1:
+            raise UserError(f"{option}: folder {name} mixes file types; keep one kind per folder")
+        return files
+    if name.startswith((".", "/", "~")) or path.suffix.lower() in SUFFIXES:
+        raise UserError(f"{option}: {name} does not exist; give a local file or folder, or a hub dataset name")
+    return None
+
+
+def content_hash(source: Source, files: list[Path] | None) -> str:
+    """Of the bytes of a local source's files, or of a hub dataset's own fingerprint."""
+    h = hashlib.sha256()
+    if files is None:
+        h.update(load(source, None)._fingerprint.encode())
+        return h.hexdigest()
+    for path in files:
+        h.update(path.name.encode())
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def load(source: Source, files: list[Path] | None):
+    """The raw records as a `datasets.Dataset` (Arrow, memory-mapped), columns renamed to the
+    format's names."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if files is None:
+            ds = datasets.load_dataset(source.path, source.config, split=source.split)
+        else:
+            ds = datasets.load_dataset(SUFFIXES[files[0].suffix.lower()], data_files=[str(p) for p in files], split="train")
+    except PermissionError:
+        raise UserError(f"{source.option}: {source.path} is not readable (permission denied)") from None
+    except Exception as e:  # datasets raises many types for a bad file or an unreachable hub
+        for path in files or []:
+            if SUFFIXES[path.suffix.lower()] == "json":
+                check_json_file(path, source.option)  # finds the broken line, if that is the cause
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{source.option}: could not load {source.label}: {first}") from None
+    if len(ds) == 0:
+        raise UserError(f"{source.option}: {source.label} is empty; it needs at least one sample")
+    missing = [c for c in source.columns.values() if c not in ds.column_names]
+    if missing:
+        raise UserError(f"{source.option}: {source.label} has no column {missing[0]!r} to map (its columns: {ds.column_names}); fix --data-columns")
+    renames = {old: new for new, old in source.columns.items() if old != new}
+    clash = [new for new in renames.values() if new in ds.column_names and new not in renames]
+    if clash:
+        raise UserError(f"{source.option}: mapping onto {clash[0]!r}, which {source.label} already has; map that column too or drop the mapping")
+    return ds.rename_columns(renames) if renames else ds
+
+
+def check_json_file(path: Path, option: str) -> None:
+    """Parse JSON / JSON-lines ourselves, so a broken line is reported with its number."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{option}: {path} is not valid JSON at line {e.lineno}: {e.msg}; fix that line") from None
+        if not all(isinstance(r, dict) for r in rows):
+            raise UserError(f"{option}: {path} must be a list of objects (one per sample)")
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{option}: {path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from None
+        if not isinstance(row, dict):
+            raise UserError(f"{option}: {path} line {number} is not a JSON object; each line must be one sample like {{\"text\": ...}}")
