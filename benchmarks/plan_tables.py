@@ -10,7 +10,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from lora_tune import plan
+from lora_tune import planner as plan
 
 # A Llama-shaped ~2B model (the seed's ladder is for "a 2B model"; no alias, so a config.json).
 TWO_B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 24, "num_attention_heads": 16,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lora_tune import plan
+from lora_tune import planner as plan
 from lora_tune.adapter import add_lora
 from lora_tune.config import TrainConfig
 from lora_tune.batching import collate

@@ -230,7 +230,7 @@ def main() -> None:
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
     parser.add_argument("--json", default=None, help="append the results to this JSON-lines file")
     args = parser.parse_args()
-    from lora_tune import plan
+    from lora_tune import planner as plan
     from lora_tune.config import TrainConfig
 
     shape = args.shape or ("tiny" if args.tiny else "cpu")

@@ -76,7 +76,10 @@ def resolve_base(base: str) -> str:
     """
     if base in ALIASES:
         hub_id = ALIASES[base].hub_id
-        return str(tiny_llama_dir()) if hub_id == "local:tiny-llama" else hub_id
+        if hub_id == "local:tiny-llama":
+            return str(tiny_llama_dir())
+        check_hub_reachable(hub_id, "--base")
+        return hub_id
     if looks_like_path(base):
         path = Path(base).expanduser()
         if not path.is_dir():
@@ -86,4 +89,30 @@ def resolve_base(base: str) -> str:
         return str(path)
     if "/" not in base:
         raise UserError(f"--base: unknown model alias '{base}'{did_you_mean(base, ALIASES)}; run `lora-tune models` for the list, or give a hub id (org/name) or a local directory")
+    check_hub_reachable(base, "--base")
     return base
+
+
+def check_hub_reachable(repo_id: str, option: str, repo_type: str = "model") -> None:
+    """Fail in seconds, not after a minute of retries, when a hub id is neither in the local cache
+    nor reachable (no network, or HF_HUB_OFFLINE)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, scan_cache_dir
+
+    try:
+        cached = any(r.repo_id == repo_id and r.repo_type == repo_type for r in scan_cache_dir(constants.HF_HUB_CACHE).repos)
+    except Exception:  # noqa: BLE001 - no cache folder yet, or an unreadable one
+        cached = False
+    if cached:
+        return
+    kind = "dataset" if repo_type == "dataset" else "model"
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE") == "1" and repo_type == "dataset":
+        raise UserError(f"{option}: the {kind} {repo_id} is not in the local Hugging Face cache and offline mode is on (HF_HUB_OFFLINE); download it first, or give a local folder")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError:
+        raise UserError(f"{option}: the {kind} {repo_id} is not in the local Hugging Face cache and {host} can't be reached (no network?); download it where there is network, or give a local folder") from None

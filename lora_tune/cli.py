@@ -12,7 +12,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from lora_tune.config import MergeConfig, PlanConfig, TrainConfig, build_config, flag, read_yaml
+from lora_tune.config import MergeConfig, PlanConfig, ReportConfig, TrainConfig, build_config, flag, read_yaml
 from lora_tune.errors import UserError
 
 
@@ -56,7 +56,10 @@ def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lora_tune import __version__
+
     parser = OneLineErrorParser(prog="lora-tune", description="Fine-tune large language models with LoRA on the GPUs you have.")
+    parser.add_argument("--version", action="version", version=f"lora-tune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     sub.required = True
 
@@ -73,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_schema_flags(plan, PlanConfig)
 
     sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
+
+    report = sub.add_parser("report", help="plot a run's metrics", description="Plot loss, eval loss, learning rate, tokens/s and memory over steps (PNG) and print a summary.")
+    report.add_argument("run_dir", metavar="RUN_DIR", help=ReportConfig.model_fields["run_dir"].description)
+    report.add_argument("--output", default=argparse.SUPPRESS, help=ReportConfig.model_fields["output"].description)
     return parser
 
 
@@ -117,6 +124,24 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
+NOISY_LIBRARIES = ("transformers", "peft", "bitsandbytes", "deepspeed", "DeepSpeed", "accelerate", "datasets", "torch", "trl")
+
+
+def quiet_libraries() -> None:
+    """Hide the libraries' own warnings and info logs (deprecations inside transformers, optional
+    kernels bitsandbytes could not find, DeepSpeed's start-up chatter): they are about nothing the
+    user did. Our own messages (logger `lora_tune`) are untouched; --verbose shows everything."""
+    import warnings
+
+    pattern = "|".join(NOISY_LIBRARIES)
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=rf"({pattern})(\.|$)")
+    for name in NOISY_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+
+
 def without_flags(argv: list[str], *names: str) -> list[str]:
     """argv less the named flags and their values (`--flag V` or `--flag=V`)."""
     out, skip = [], False
@@ -137,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     # same (torchrun and accelerate set only that), so the flag is dropped.
     argv = without_flags([str(a) for a in (sys.argv[1:] if argv is None else argv)], "--local_rank", "--local-rank")
     args = build_parser().parse_args(argv)
+    if not getattr(args, "verbose", False):
+        quiet_libraries()
     try:
         if args.command == "models":
             return cmd_models()
@@ -146,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
             from lora_tune import checkpoint as ckpt
             from lora_tune import distributed, engines
-            from lora_tune.train import Recipe, TrainingStopped, run
+            from lora_tune.recipe import Recipe, TrainingStopped, run
 
             cfg = config_from_args(TrainConfig, args)
             if (cfg.nproc or engines.backend_name(cfg) != "single") and not distributed.launched():
@@ -177,14 +204,19 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: rank {distributed.rank()} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); resume with --resume", file=sys.stderr)
                 return distributed.LOST_PEER_EXIT
             return 0
+        if args.command == "report":
+            from lora_tune import reporting
+
+            reporting.run(ReportConfig(**{k: v for k, v in vars(args).items() if k in ReportConfig.model_fields}))
+            return 0
         if args.command == "plan":
-            from lora_tune import plan
+            from lora_tune import planner
 
-            return plan.run(config_from_args(PlanConfig, args))
+            return planner.run(config_from_args(PlanConfig, args))
         if args.command == "merge":
-            from lora_tune import merge
+            from lora_tune import merger
 
-            merge.run(config_from_args(MergeConfig, args))
+            merger.run(config_from_args(MergeConfig, args))
             return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

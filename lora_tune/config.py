@@ -45,6 +45,8 @@ class TrainConfig(BaseModel):
     eval_data: Optional[list[Union[str, dict]]] = Field(None, json_schema_extra=MATH, description="Evaluation data, same formats as --data.")
     eval_split: float = Field(0.0, json_schema_extra=MATH, description="Fraction of --data held out for evaluation when --eval-data is not given (e.g. 0.05).")
     eval_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Evaluate every N optimizer steps (default: only at the end, when there is eval data).")
+    eval_prompts: Optional[str] = Field(None, json_schema_extra=FREE, description="A .txt (one prompt per line) or .jsonl (prompt | instruction | messages) file of up to 8 prompts; their greedy completions are logged at each evaluation.")
+    eval_max_new_tokens: int = Field(64, json_schema_extra=FREE, description="Tokens generated per --eval-prompts prompt.")
     max_seq_len: int = Field(2048, json_schema_extra=MATH, description="Maximum tokens per sample.")
     long_samples: Literal["truncate", "drop"] = Field("truncate", json_schema_extra=MATH, description="What to do with samples longer than --max-seq-len.")
     train_on_prompt: bool = Field(False, json_schema_extra=MATH, description="Also compute the loss on prompt / user tokens (default: only on the response).")
@@ -90,6 +92,7 @@ class TrainConfig(BaseModel):
     strict_memory: bool = Field(False, json_schema_extra=FREE, description="Refuse to start when the memory plan says the run will not fit (default: warn).")
     logging_steps: int = Field(1, json_schema_extra=FREE, description="Write metrics every N optimizer steps.")
     report_to: Literal["none", "tensorboard", "wandb"] = Field("none", json_schema_extra=FREE, description="Also send metrics to TensorBoard or Weights & Biases.")
+    verbose: bool = Field(False, json_schema_extra=FREE, description="Also show the libraries' own warnings and logs (hidden by default: they are about nothing you did).")
 
     # --- validators: each message names the fix ------------------------------------------------
     @field_validator("rank")
@@ -106,7 +109,7 @@ class TrainConfig(BaseModel):
             raise ValueError(f"must be > 0 (got {v}); LoRA usually trains with 1e-4 to 3e-4")
         return v
 
-    @field_validator("max_seq_len", "micro_batch_size", "grad_accum", "logging_steps", "max_bad_steps")
+    @field_validator("max_seq_len", "micro_batch_size", "grad_accum", "logging_steps", "max_bad_steps", "eval_max_new_tokens")
     @classmethod
     def _positive(cls, v):
         if v <= 0:
@@ -242,6 +245,14 @@ class MergeConfig(BaseModel):
     verify: bool = Field(True, description="Check merged weights for NaN/inf and compare merged vs base + adapter outputs.")
     overwrite: bool = Field(False, description="Replace a non-empty --output folder.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub during verification.")
+    verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")
+
+
+class ReportConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_dir: str = Field(description="Output folder of a training run (holds metrics.jsonl).")
+    output: Optional[str] = Field(None, description="Where to write the PNG (default: RUN_DIR/report.png).")
 
 
 class PlanConfig(TrainConfig):

@@ -66,10 +66,17 @@ class MetricsLog:
         self.file.flush()
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        samples = record.get("samples")
         if self.tb:
             for k, v in numbers.items():
                 self.tb.add_scalar(k, v, step)
+            if samples:
+                self.tb.add_text("samples", "\n\n".join(f"**{s['prompt']}**\n\n{s['completion']}" for s in samples), step)
         if self.wandb:
+            if samples:
+                import wandb
+
+                numbers["samples"] = wandb.Table(columns=["prompt", "completion"], data=[[s["prompt"], s["completion"]] for s in samples])
             self.wandb.log(numbers, step=step)
 
     def close(self) -> None:
@@ -91,6 +98,10 @@ class Progress:
     def update(self, loss: float, tokens_per_s: float, peak_bytes: int) -> None:
         self.bar.set_postfix_str(f"loss {loss:.4f} | {tokens_per_s:,.0f} tok/s | peak {peak_bytes / 2**30:.2f} GiB", refresh=False)
         self.bar.update(1)
+
+    def write(self, line: str) -> None:
+        """A line on the console above the bar (the bar redraws below it)."""
+        self.bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
         self.bar.close()

@@ -7,6 +7,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import fast_train_args, run_cli, single_error_line, write_jsonl
 
@@ -98,7 +99,7 @@ def _case(name, tmp_path: Path, tiny_model: Path, good: Path):
         f.write_text("x")
         return fast_train_args(tiny_model, good, f), "is a file"
     if name == "hub dataset unreachable":
-        return fast_train_args(tiny_model, "someone/no-such-dataset", out), "could not load someone/no-such-dataset"
+        return fast_train_args(tiny_model, "someone/no-such-dataset", out), "the dataset someone/no-such-dataset is not in the local Hugging Face cache"
     if name == "base folder without config":
         d = tmp_path / "not-a-model"
         d.mkdir()
@@ -116,6 +117,14 @@ def _case(name, tmp_path: Path, tiny_model: Path, good: Path):
     if name == "pretokenized ids out of vocabulary":
         p = write_jsonl(tmp_path / "ids.jsonl", [{"input_ids": [1, 5, 70000]}])
         return fast_train_args(tiny_model, p, out, **base), "token id 70000 is outside the tokenizer's vocabulary"
+    if name == "activation offload on cpu":
+        return fast_train_args(tiny_model, good, out, activation_offload=True), "--activation-offload needs a CUDA GPU"
+    if name == "hub model not reachable":
+        return fast_train_args("someone/no-such-model", good, out), "the model someone/no-such-model is not in the local Hugging Face cache"
+    if name == "flash attention on cpu":
+        return fast_train_args(tiny_model, good, out, attn_implementation="flash_attention_2"), "--attn-implementation flash_attention_2 needs a CUDA GPU"
+    if name == "activation offload without checkpointing":
+        return fast_train_args(tiny_model, good, out, activation_offload=True, gradient_checkpointing=False), "--activation-offload moves the inputs that gradient checkpointing keeps"
     raise KeyError(name)
 
 
@@ -124,7 +133,10 @@ CASES = ["missing data", "folder without data files", "unsupported extension", "
          "missing base dir", "unknown config key", "rank not a number", "missing output dir", "eval split out of range",
          "zero max steps", "zero micro batch", "unknown scheduler", "unknown optimizer", "reporter not installed", "invalid yaml",
          "missing config file", "output dir is a file", "hub dataset unreachable", "base folder without config", "bad column mapping",
-         "mapped column missing", "weights do not match sources", "sharegpt unknown speaker", "pretokenized ids out of vocabulary"]
+         "mapped column missing", "weights do not match sources", "sharegpt unknown speaker", "pretokenized ids out of vocabulary",
+         "flash attention on cpu", "activation offload without checkpointing", "hub model not reachable"]
+if not torch.cuda.is_available():
+    CASES.append("activation offload on cpu")
 
 
 @pytest.mark.parametrize("name", CASES)

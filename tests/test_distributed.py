@@ -154,7 +154,7 @@ def test_quantized_bases_are_really_partitioned(name, jobs, tiny_model):
     """Every tensor reachable from the base (parameters as partitioned, buffers, bitsandbytes' CB/SCB
     and quant states, each piece of memory once), after loading and after a step: each rank holds
     half of the quantized base plus at most one layer, never the whole (bitsandbytes #1249)."""
-    from lora_tune import plan
+    from lora_tune import planner as plan
 
     _, err = run_of(jobs, name)
     precision = name.split("-")[1]
@@ -196,7 +196,7 @@ def test_zero2_evaluates_on_every_rank_and_rank0_alone_writes_metrics(jobs):
     out, _ = run_of(jobs, "zero2-eval")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4]
-    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 4]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
 
 
 def test_matrix_refuses_what_it_does_not_run():

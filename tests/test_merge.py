@@ -197,7 +197,7 @@ def test_layer_verification_reference_equals_peft_layer(flavour, adapters, tiny_
     from safetensors.torch import load_file as load
     from transformers import AutoModelForCausalLM
 
-    from lora_tune.merge import lora_modules, unmerged_forward
+    from lora_tune.merger import lora_modules, unmerged_forward
 
     config = json.loads((adapters[flavour] / "adapter_config.json").read_text())
     modules, _ = lora_modules(config, load(str(adapters[flavour] / "adapter_model.safetensors")))

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from lora_tune import plan
+from lora_tune import planner as plan
 from lora_tune.config import TrainConfig
 
 from conftest import fast_train_args, run_cli, single_error_line

@@ -96,7 +96,7 @@ def test_grad_accumulation_matches_one_big_batch(tiny_model, data_files, tmp_pat
 def step_gradients(base: Path, data: Path, out: Path, mbs: int, ga: int) -> dict[str, torch.Tensor]:
     """The LoRA gradients of the first optimizer step, through the recipe's own batches and engine."""
     from lora_tune.config import TrainConfig
-    from lora_tune.train import Recipe
+    from lora_tune.recipe import Recipe
 
     cfg = TrainConfig(base=str(base), data=str(data), output_dir=str(out), precision="fp32", rank=4, lr=5e-3, max_steps=1,
                       micro_batch_size=mbs, grad_accum=ga, max_seq_len=128, optim="adamw", seed=7, dropout=0.0)
@@ -200,11 +200,12 @@ def test_eval_loss_and_perplexity_are_logged(tiny_model, data_files, tmp_path, c
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, max_steps=4, eval_split=0.25, eval_steps=2), capsys)
     assert code == 0, err
     evals = [r for r in read_metrics(out) if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [2, 4, 4]  # every 2 steps, and at the end
+    assert [r["step"] for r in evals] == [2, 4]  # every 2 steps; the end is step 4, evaluated once
+    assert f"eval at step 2: loss {evals[0]['eval_loss']:.4f}, perplexity {evals[0]['eval_ppl']:.2f}" in err  # on the console too
     assert evals[0]["eval_ppl"] == pytest.approx(2.718281828 ** evals[0]["eval_loss"], rel=1e-6)
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], tmp_path / "run2", max_steps=2, eval_data=data_files["text"], eval_steps=1), capsys)
     assert code == 0, err
-    assert len([r for r in read_metrics(tmp_path / "run2") if "eval_loss" in r]) == 3
+    assert len([r for r in read_metrics(tmp_path / "run2") if "eval_loss" in r]) == 2
 
 
 def test_target_modules_and_rslora_dora_reach_peft(tiny_model, data_files, tmp_path, capsys):
@@ -215,3 +216,16 @@ def test_target_modules_and_rslora_dora_reach_peft(tiny_model, data_files, tmp_p
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
     assert config["use_rslora"] is True and config["use_dora"] is True and config["lora_alpha"] == 8
     assert any("lora_magnitude_vector" in k for k in adapter_tensors(out))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="activation offload moves activations off a CUDA device")
+def test_activation_offload_keeps_the_loss_and_lowers_device_memory(tiny_model, data_files, tmp_path, capsys):
+    runs = {}
+    for offload in (False, True):
+        out = tmp_path / f"offload-{offload}"
+        code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, precision="bf16", max_steps=2, max_seq_len=512,
+                                               activation_offload=offload), capsys)
+        assert code == 0, err
+        runs[offload] = read_metrics(out)
+    assert [r["loss"] for r in runs[True]] == pytest.approx([r["loss"] for r in runs[False]], rel=1e-3)
+    assert runs[True][-1]["peak_memory_bytes"] <= runs[False][-1]["peak_memory_bytes"]

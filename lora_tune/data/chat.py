@@ -79,3 +79,10 @@ class ChatRenderer:
             pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
             done = full
         return pieces
+
+    def generation_prompt(self, messages: list[dict], where: str, tools=None) -> str:
+        """The conversation so far, rendered up to where the assistant's answer starts."""
+        try:
+            return self._render(self._system(messages), True, tools)
+        except Exception as e:  # noqa: BLE001 - as in pieces()
+            raise UserError(f"{where}: the model's chat template refuses this conversation ({str(e).strip().splitlines()[0]})") from None

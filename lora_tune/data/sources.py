@@ -90,6 +90,9 @@ def local_files(source: Source) -> list[Path] | None:
         return files
     if name.startswith((".", "/", "~")) or path.suffix.lower() in SUFFIXES:
         raise UserError(f"{option}: {name} does not exist; give a local file or folder, or a hub dataset name")
+    from lora_tune.aliases import check_hub_reachable
+
+    check_hub_reachable(name, option, "dataset")
     return None
 
 

@@ -1,6 +1,6 @@
 """The engine seam: everything that differs by backend lives behind one interface.
 
-The recipe (`lora_tune.train`) loads, trains, checkpoints and saves through `Engine` alone and
+The recipe (`lora_tune.recipe`) loads, trains, checkpoints and saves through `Engine` alone and
 never asks which backend runs. Each backend owns:
 
 * how the base is loaded and partitioned, and when the adapter is injected (`load`);
@@ -65,6 +65,9 @@ class Engine(Protocol):
 
     def evaluate(self, batches: list) -> tuple[float, int]:
         """(summed token loss, label tokens) over the batches; collective where the backend is."""
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions of tokenized prompts (every rank, in lockstep where sharded)."""
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The whole adapter (peft's names, CPU tensors) on rank 0; collective, never gathers the base."""

@@ -61,6 +61,22 @@ def evaluate(module, batches, precision: str | None, device: torch.device) -> tu
     return total, tokens
 
 
+@torch.no_grad()
+def generate(peft_model, prompts: list[list[int]], max_new_tokens: int, precision: str | None, device: torch.device, synced: bool = False) -> list[list[int]]:
+    """Greedy completions, one prompt at a time. `synced`: every rank runs the same number of
+    forward passes (ZeRO-3 / FSDP2 gather weights collectively), whoever finishes first."""
+    peft_model.eval()
+    outputs = []
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        with autocast(precision, device) if precision else contextlib.nullcontext():
+            y = peft_model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                                    use_cache=True, synced_gpus=synced)
+        outputs.append(y[0, len(ids):].tolist())
+    peft_model.train()
+    return outputs
+
+
 def base_tensor_bytes(model) -> tuple[int, int]:
     """(bytes this rank holds, bytes of the whole) of every tensor reachable from the frozen base:
     parameters as partitioned (a ZeRO-3 partition, an FSDP2 shard, or the tensor), buffers, and the

@@ -47,6 +47,10 @@ class DeepSpeedEngine:
         return None
 
     def __init__(self, cfg, device: torch.device):
+        import os
+
+        if device.type == "cpu":  # said, so DeepSpeed doesn't detect it and warn about it at import
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         self.cfg = cfg
@@ -159,6 +163,9 @@ class DeepSpeedEngine:
 
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.ds, batches, self.cfg.precision, self.device)  # ZeRO-3: collective
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return common.generate(self.model.peft_model, prompts, max_new_tokens, self.cfg.precision, self.device, synced=self.zero3)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

@@ -161,6 +161,15 @@ class FSDPEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.model, batches, None, self.device)  # collective
 
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        # Generation runs the peft model inside the root: gather the root's own weights (embeddings,
+        # head) for it; each decoder layer gathers its own as it runs.
+        self.model.unshard()
+        try:
+            return common.generate(self.model.peft_model, prompts, max_new_tokens, None, self.device, synced=True)
+        finally:
+            self.model.reshard()
+
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """Only the LoRA shards are gathered (small), never the base."""

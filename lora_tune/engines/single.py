@@ -83,6 +83,9 @@ class SingleDeviceEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.model, batches, self.cfg.precision, self.device)
 
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return common.generate(self.model.peft_model, prompts, max_new_tokens, self.cfg.precision, self.device)
+
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:
         return trainable_state_dict(self.model.peft_model)

@@ -27,6 +27,7 @@ from lora_tune.aliases import resolve_base
 from lora_tune.config import TrainConfig
 from lora_tune.batching import MicroBatches, collate, pack_best_fit_decreasing
 from lora_tune.data import PreparedData, prepare_data
+from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
 from lora_tune.metrics import MetricsLog, Progress, check_reporter, peak_memory_bytes
 from lora_tune.loss import CausalLMLoss, chunking_refusal
@@ -126,7 +127,7 @@ def preflight(cfg: TrainConfig, device: torch.device):
     """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
     when it will not fit. Returns (estimate, available bytes), or None when the architecture
     can't be read offline."""
-    from lora_tune import plan
+    from lora_tune import planner as plan
 
     try:
         arch = plan.load_architecture(cfg.base)
@@ -148,6 +149,8 @@ class Recipe:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         self.stop_signal: int | None = None
+        self.progress = None
+        self.last_eval_step: int | None = None
 
     def check_inputs(self) -> None:
         """Everything about the user's input, before any weight is loaded (also run by the
@@ -166,6 +169,7 @@ class Recipe:
             for line in self.data.per_source:
                 log.info("data source %s", line)
         log.info("data: %s format, %s; %d train / %d eval samples", self.data.format, self.data.stats.summary(), len(self.data.train), len(self.data.eval))
+        self.eval_prompts = read_eval_prompts(cfg.eval_prompts, self.tokenizer, cfg.system_message) if cfg.eval_prompts else []
         saved_state = check_resume_compatible(cfg, self.data, self.resume_from) if self.resume_from else None
         self.batches = MicroBatches(self.data.train.lengths, cfg.micro_batch_size, cfg.seed, self.packing, cfg.group_by_length, cfg.max_seq_len)
         if self.packing:
@@ -317,7 +321,7 @@ class Recipe:
     def train(self) -> None:
         cfg, state = self.cfg, self.state
         previous = {s: signal.signal(s, self._on_signal) for s in EXIT_SIGNAL}
-        progress = Progress(self.total_steps, state.step) if dist.is_main() else None
+        progress = self.progress = Progress(self.total_steps, state.step) if dist.is_main() else None
         reported = False
         try:
             while state.step < self.total_steps:
@@ -352,7 +356,7 @@ class Recipe:
                         "tokens_per_s": step_tokens / seconds, "peak_memory_bytes": peak,
                         "tokens_seen": state.tokens_seen, "step_seconds": seconds, "skipped": not applied,
                     })
-                if self.data.eval and cfg.eval_steps and state.step % cfg.eval_steps == 0:
+                if (self.data.eval or self.eval_prompts) and cfg.eval_steps and state.step % cfg.eval_steps == 0:
                     self._write_eval()
                 if state.bad_steps_in_a_row >= cfg.max_bad_steps:
                     good = ckpt.newest_complete(self.output_dir)
@@ -369,13 +373,14 @@ class Recipe:
         finally:
             if progress:
                 progress.close()
+            self.progress = None
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
     def _out_of_memory(self):
         """The step in flight is dropped (weights and optimizer are still those of the last
         completed step), its state checkpointed, and the plan printed with what to change."""
-        from lora_tune import plan
+        from lora_tune import planner as plan
 
         self.engine.zero_grad()
         if self.device.type == "cuda":
@@ -391,12 +396,27 @@ class Recipe:
 
     # --- save and cleanup ------------------------------------------------------------------------
     def _write_eval(self) -> None:
-        result = self._evaluate()  # every rank: under ZeRO-3 the forward is collective
-        if self.metrics:
-            self.metrics.write(result)
+        """Eval loss (when there is eval data) and sample generations (when there are prompts);
+        every rank takes part: under ZeRO-3 and FSDP2 the forward is collective."""
+        self.last_eval_step = self.state.step
+        lines = []
+        if self.data.eval:
+            result = self._evaluate()
+            if self.metrics:
+                self.metrics.write(result)
+            lines.append(f"eval at step {result['step']}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+        if self.eval_prompts:
+            completions = self.engine.generate(self.eval_prompts, self.cfg.eval_max_new_tokens)
+            samples = [{"prompt": self.tokenizer.decode(p, skip_special_tokens=True), "completion": self.tokenizer.decode(c, skip_special_tokens=True)}
+                       for p, c in zip(self.eval_prompts, completions)]
+            if self.metrics:
+                self.metrics.write({"step": self.state.step, "samples": samples})
+            lines.append(f"sample at step {self.state.step}: {samples[0]['prompt'][-60:]!r} -> {samples[0]['completion'][:120]!r}")
+        for line in lines if self.metrics else []:
+            self.progress.write(line) if self.progress else log.info("%s", line)
 
     def save(self) -> None:
-        if self.data.eval:
+        if (self.data.eval or self.eval_prompts) and self.last_eval_step != self.state.step:  # the loop may have just evaluated this step
             self._write_eval()
         self.save_checkpoint()  # a final checkpoint lets a later --resume extend the run
         adapter = self.engine.adapter_state()

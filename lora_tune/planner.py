@@ -356,11 +356,6 @@ def gpu_memory_bytes(text: str) -> int:
         raise UserError(f"--gpu-memory: {text!r} is neither a size (e.g. 80GB) nor a known GPU ({', '.join(GPUS)})") from None
 
 
-def to_json(est: Estimate, fits_: bool) -> dict:
-    return {"trainable_parameters": est.trainable_parameters, "per_device": dict(est.per_device),
-            "host": dict(est.host), "nvme_bytes": est.nvme_bytes, "fits": fits_}
-
-
 def gib(x: int) -> str:
     return f"{x / GIB:8.2f} GiB"
 
@@ -425,8 +420,27 @@ def setup_from(cfg) -> Setup:
                  nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
-def run(cfg) -> int:
-    """The `lora-tune plan` command; prints a table (or JSON) and returns the exit code."""
+@dataclass
+class Plan:
+    """What `lora-tune plan` computes: the numbers of `--json`, and the table it prints."""
+
+    trainable_parameters: int
+    per_device: dict[str, int]
+    host: dict[str, int]
+    nvme_bytes: int
+    fits: bool
+    setup: Setup
+    auto: bool  # a search (--auto) rather than one setup
+    recommended: dict | None  # --auto: the fastest setup that fits and its train command (None: nothing fits)
+    text: str
+
+    def to_json(self) -> dict:
+        out = {"trainable_parameters": self.trainable_parameters, "per_device": self.per_device, "host": self.host,
+               "nvme_bytes": self.nvme_bytes, "fits": self.fits}
+        return {**out, "recommended": self.recommended} if self.auto else out
+
+
+def compute(cfg) -> Plan:
     from lora_tune.config import parse_size
 
     # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
@@ -435,27 +449,25 @@ def run(cfg) -> int:
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
     cpu_bytes = parse_size(cfg.cpu_memory, "--cpu-memory") if cfg.cpu_memory else None
+    recommended = None
     if cfg.auto:
         best, est, nearest = search(arch, setup, gpu_bytes, cpu_bytes)
         if best is None:
             setup, est = nearest
-            if cfg.print_json:
-                print(json.dumps({**to_json(est, False), "recommended": None}))
-                return 0
-            print("nothing fits; the nearest option:")
-            print(table(est, setup, gpu_bytes, cpu_bytes))
-            return 0
-        if cfg.print_json:
-            print(json.dumps({**to_json(est, True), "recommended": asdict(best) | {"command": train_command(cfg.base, best)}}))
-            return 0
-        print(f"fastest setup that fits (relative speed {relative_speed(best):.2f}):")
-        print(table(est, best, gpu_bytes, cpu_bytes))
-        print("\n" + train_command(cfg.base, best))
-        return 0
-    est = estimate(arch, setup)
-    ok = fits(est, gpu_bytes, cpu_bytes)
-    if cfg.print_json:
-        print(json.dumps(to_json(est, ok)))
+            text = "nothing fits; the nearest option:\n" + table(est, setup, gpu_bytes, cpu_bytes)
+        else:
+            setup, command = best, train_command(cfg.base, best)
+            recommended = asdict(best) | {"command": command}
+            text = f"fastest setup that fits (relative speed {relative_speed(best):.2f}):\n{table(est, best, gpu_bytes, cpu_bytes)}\n\n{command}"
     else:
-        print(table(est, setup, gpu_bytes, cpu_bytes))
+        est = estimate(arch, setup)
+        text = table(est, setup, gpu_bytes, cpu_bytes)
+    return Plan(est.trainable_parameters, dict(est.per_device), dict(est.host), est.nvme_bytes, fits(est, gpu_bytes, cpu_bytes),
+                setup, bool(cfg.auto), recommended, text)
+
+
+def run(cfg) -> int:
+    """The `lora-tune plan` command; prints a table (or JSON) and returns the exit code."""
+    result = compute(cfg)
+    print(json.dumps(result.to_json()) if cfg.print_json else result.text)
     return 0

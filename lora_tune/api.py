@@ -1,0 +1,159 @@
+"""The Python API: the CLI's commands as functions, for notebooks and scripts.
+
+Every function takes what the command takes: a YAML file or a dict (`config`) and keyword options
+named as the YAML keys (`max_seq_len=1024`), options winning over the file. Validation and messages
+are the CLI's: bad input raises `lora_tune.UserError` with the same one-line message (`str(e)`), and
+nothing calls `sys.exit`.
+
+    import lora_tune
+    plan = lora_tune.plan(base="llama-8b", precision="4bit", gpu_memory="t4")
+    result = lora_tune.train(base="tiny-llama", data="examples/data/alpaca_demo.jsonl", output_dir="runs/demo", max_steps=30)
+    model, tokenizer = lora_tune.load(result.adapter_dir)
+    lora_tune.merge(adapter=result.adapter_dir, output="merged/demo")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lora_tune.errors import UserError
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    adapter_dir: Path  # what PeftModel.from_pretrained and `merge` take
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+    metrics: list[dict] = field(repr=False)  # every record of metrics.jsonl
+
+
+def _config(schema, config, options: dict[str, Any]):
+    from lora_tune.config import build_config, read_yaml
+
+    if config is None:
+        values, source = {}, "options"
+    elif isinstance(config, dict):
+        values, source = dict(config), "config"
+    else:
+        values, source = read_yaml(str(config)), str(config)
+    return build_config(schema, values, {k: v for k, v in options.items() if v is not None}, source=source)
+
+
+def _quiet(cfg) -> None:
+    from lora_tune.cli import quiet_libraries, setup_logging
+
+    setup_logging()
+    if not cfg.verbose:
+        quiet_libraries()
+
+
+def train(config: str | Path | dict | None = None, **options) -> TrainResult:
+    """Train a LoRA adapter (`lora-tune train`). With `nproc` (or a sharding backend) the ranks run
+    as child processes, as on the command line. Raises UserError for bad input and
+    `lora_tune.recipe.TrainingStopped` when the run stops early (signal, repeated NaN, full disk),
+    after it saved what it could."""
+    from lora_tune import checkpoint as ckpt
+    from lora_tune import distributed, engines
+    from lora_tune.config import TrainConfig
+    from lora_tune.recipe import Recipe, TrainingStopped, run
+
+    cfg = _config(TrainConfig, config, options)
+    _quiet(cfg)
+    if (cfg.nproc or engines.backend_name(cfg) != "single") and not distributed.launched():
+        Recipe(cfg).check_inputs()
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            import yaml
+
+            yaml.safe_dump({k: v for k, v in cfg.model_dump().items() if k != "nproc"}, f)
+        lock = ckpt.OutputLock(Path(cfg.output_dir).expanduser()).acquire()
+        os.environ[ckpt.LOCK_ENV] = str(lock.path.resolve())
+        try:
+            code = distributed.launch(["train", "--config", f.name], cfg.nproc or 1, cfg.output_dir, f"lora_tune.train(..., resume=True)")
+        finally:
+            lock.release()
+            os.environ.pop(ckpt.LOCK_ENV, None)
+            os.unlink(f.name)
+        if code != 0:
+            raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
+    else:
+        run(cfg)
+    return _result(Path(cfg.output_dir).expanduser())
+
+
+def _result(out: Path) -> TrainResult:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+
+    def number(v):
+        return float(v) if v is not None else None
+
+    return TrainResult(out, out, losses[-1]["step"] if losses else 0, number(losses[-1]["loss"]) if losses else None,
+                       number(evals[-1]["eval_loss"]) if evals else None, rows)
+
+
+def plan(config: str | Path | dict | None = None, **options):
+    """Will it fit, and (auto=True) which setup is fastest (`lora-tune plan`): a `lora_tune.planner.Plan`
+    with the numbers `--json` prints (`.to_json()`) and the table (`.text`)."""
+    from lora_tune import planner
+    from lora_tune.config import PlanConfig
+
+    cfg = _config(PlanConfig, config, options)
+    return planner.compute(cfg)
+
+
+def merge(config: str | Path | dict | None = None, **options) -> Path:
+    """Fold an adapter into its full-precision base, verified (`lora-tune merge`); returns the folder."""
+    from lora_tune import merger
+    from lora_tune.config import MergeConfig
+
+    cfg = _config(MergeConfig, config, options)
+    _quiet(cfg)
+    return merger.run(cfg)
+
+
+def report(run_dir: str | Path, output: str | Path | None = None) -> Path:
+    """The run's curves as a PNG and its summary printed (`lora-tune report`); returns the PNG's path."""
+    from lora_tune import reporting
+    from lora_tune.config import ReportConfig
+
+    return reporting.run(ReportConfig(run_dir=str(run_dir), output=str(output) if output else None))
+
+
+def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust_remote_code: bool = False):
+    """(model, tokenizer), ready to generate: an adapter folder (the base it records, with the adapter
+    on top, through peft) or a merged model folder. The model is in eval mode on `device` (default:
+    the GPU when there is one)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lora_tune.aliases import resolve_base
+    from lora_tune.model_loading import WEIGHT_DTYPE
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(f"{path} is not a folder; give an adapter folder written by train, or a merged model")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_ = WEIGHT_DTYPE.get(dtype, torch.bfloat16)
+    adapter_config = folder / "adapter_config.json"
+    if adapter_config.is_file():
+        from peft import PeftModel
+
+        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise UserError(f"{adapter_config} records no base model")
+        model = AutoModelForCausalLM.from_pretrained(resolve_base(base), dtype=dtype_, trust_remote_code=trust_remote_code)
+        model = PeftModel.from_pretrained(model, str(folder))
+    elif (folder / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype_, trust_remote_code=trust_remote_code)
+    else:
+        raise UserError(f"{folder} holds neither an adapter (adapter_config.json) nor a model (config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer

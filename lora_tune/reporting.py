@@ -1,0 +1,92 @@
+"""`lora-tune report OUTPUT_DIR`: the run's curves as a PNG (loss and eval loss, learning rate,
+tokens/s, peak memory over steps, from metrics.jsonl) and a short text summary. matplotlib is an
+optional extra (`pip install "lora-tune[report]"`)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from lora_tune.errors import UserError
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"report: {run_dir} has no metrics.jsonl; point it at a folder written by `lora-tune train`")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise UserError(f"report: {path} line {n} is not valid JSON") from None
+    if not any("loss" in r for r in rows):
+        raise UserError(f"report: {path} holds no training steps yet")
+    return rows
+
+
+def number(v) -> float:
+    return float(v) if isinstance(v, (int, float)) else math.nan  # "nan"/"inf" are logged as strings
+
+
+def summary(rows: list[dict]) -> str:
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    speeds = [number(r["tokens_per_s"]) for r in steps[1:] or steps]  # the first step includes warm-up
+    lines = [f"steps: {steps[-1]['step']}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
+             f"tokens: {steps[-1].get('tokens_seen', 0):,}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; "
+             f"peak memory {max(r.get('peak_memory_bytes', 0) for r in steps) / 2**30:.2f} GiB"]
+    if evals:
+        best = min(evals, key=lambda r: number(r["eval_loss"]))
+        lines.append(f"eval loss: last {number(evals[-1]['eval_loss']):.4f} (perplexity {number(evals[-1]['eval_ppl']):.2f}); "
+                     f"best {number(best['eval_loss']):.4f} at step {best['step']}")
+    skipped = sum(1 for r in steps if r.get("skipped"))
+    if skipped:
+        lines.append(f"skipped steps (NaN/inf): {skipped}")
+    samples = [r for r in rows if "samples" in r]
+    if samples:
+        s = samples[-1]["samples"][0]
+        lines.append(f"last sample (step {samples[-1]['step']}): {s['prompt'][-60:]!r} -> {s['completion'][:160]!r}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError('report: the plot needs matplotlib; pip install matplotlib (or "lora-tune[report]")') from None
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    x = [r["step"] for r in steps]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    ax = axes[0][0]
+    ax.plot(x, [number(r["loss"]) for r in steps], label="train loss")
+    if evals:
+        ax.plot([r["step"] for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
+    ax.set_title("loss")
+    ax.legend()
+    for ax, key, title, scale in ((axes[0][1], "lr", "learning rate", 1), (axes[1][0], "tokens_per_s", "tokens / s", 1),
+                                  (axes[1][1], "peak_memory_bytes", "peak memory (GiB)", 2**30)):
+        ax.plot(x, [number(r.get(key)) / scale for r in steps])
+        ax.set_title(title)
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def run(cfg) -> Path:
+    run_dir = Path(cfg.run_dir).expanduser()
+    rows = read_metrics(run_dir)
+    png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
+    plot(rows, png)
+    print(summary(rows))
+    print(f"plot: {png}")
+    return png

@@ -1,0 +1,111 @@
+"""The Python API mirrors the CLI: same runs, same numbers, same errors; plus report and eval prompts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+import lora_tune
+
+from conftest import fast_train_args, run_cli, single_error_line
+
+
+def options(**overrides) -> dict:
+    """fast_train_args' options as API keywords."""
+    base = {"precision": "fp32", "rank": 4, "lr": 5e-3, "max_steps": 4, "micro_batch_size": 2, "max_seq_len": 128, "optim": "adamw", "seed": 7}
+    return {**base, **overrides}
+
+
+@pytest.fixture(scope="module")
+def api_run(tiny_model, tmp_path_factory):
+    from conftest import ALPACA, write_jsonl
+
+    folder = tmp_path_factory.mktemp("api")
+    data = write_jsonl(folder / "alpaca.jsonl", ALPACA)
+    result = lora_tune.train(base=str(tiny_model), data=str(data), output_dir=str(folder / "run"), eval_split=0.25, eval_steps=2, **options())
+    return result, data, folder
+
+
+def test_train_returns_the_run_and_equals_the_cli(api_run, tiny_model, capsys):
+    result, data, folder = api_run
+    assert result.steps == 4 and result.adapter_dir == folder / "run" and (result.adapter_dir / "adapter_model.safetensors").is_file()
+    assert result.eval_loss is not None and result.final_loss == result.metrics[[i for i, r in enumerate(result.metrics) if "loss" in r][-1]]["loss"]
+    code, _, err = run_cli(fast_train_args(tiny_model, data, folder / "cli", eval_split=0.25, eval_steps=2), capsys)
+    assert code == 0, err
+    cli = [json.loads(line) for line in (folder / "cli" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("loss") for r in cli] == [r.get("loss") for r in result.metrics]
+
+
+@pytest.mark.parametrize("bad", [dict(rank=0), dict(precision="int3"), dict(base="llama-7b"), dict(data="/no/such.jsonl"), dict(nonsense=1)])
+def test_bad_input_raises_the_cli_message(bad, tiny_model, data_files, tmp_path, capsys):
+    kwargs = {"base": str(tiny_model), "data": str(data_files["text"]), "output_dir": str(tmp_path / "out"), **options(), **bad}
+    with pytest.raises(lora_tune.UserError) as raised:
+        lora_tune.train(**kwargs)
+    argv = ["train"]
+    for k, v in kwargs.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    try:
+        code, _, err = run_cli(argv, capsys)
+    except SystemExit as e:  # an unknown flag is argparse's
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2
+    if "nonsense" not in bad:
+        assert single_error_line(err) == f"error: {raised.value}"
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_returns_the_json_numbers(capsys):
+    plan = lora_tune.plan(base="llama-8b", precision="4bit", gpu_memory="rtx4090")
+    code, out, _ = run_cli(["plan", "--base", "llama-8b", "--precision", "4bit", "--gpu-memory", "rtx4090", "--json"], capsys)
+    assert code == 0 and plan.to_json() == json.loads(out) and plan.fits is True and "fits in 23.6 GiB" in plan.text
+    auto = lora_tune.plan(base="llama-8b", gpu_memory="rtx4090", auto=True)
+    assert auto.recommended["command"].startswith("lora-tune train --base llama-8b")
+
+
+def test_merge_and_load_generate_the_same_as_the_adapter(api_run):
+    result, _, folder = api_run
+    merged = lora_tune.merge(adapter=str(result.adapter_dir), output=str(folder / "merged"), dtype="fp32")
+    assert (merged / "model.safetensors").is_file() or (merged / "model.safetensors.index.json").is_file()
+    outputs = []
+    for path in (result.adapter_dir, merged):
+        model, tokenizer = lora_tune.load(path, device="cpu", dtype="fp32")
+        ids = tokenizer("The quick brown fox", return_tensors="pt")
+        with torch.no_grad():
+            outputs.append(model.generate(**ids, max_new_tokens=6, do_sample=False)[0].tolist())
+    assert outputs[0] == outputs[1]
+    with pytest.raises(lora_tune.UserError, match="neither an adapter"):
+        lora_tune.load(folder)
+
+
+def test_report_plots_a_real_run_and_summarises_it(api_run, capsys, monkeypatch):
+    result, _, folder = api_run
+    png = lora_tune.report(result.output_dir, folder / "report.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "steps: 4; loss" in out and "eval loss: last" in out
+    code, out, err = run_cli(["report", result.output_dir, "--output", folder / "cli.png"], capsys)
+    assert code == 0 and (folder / "cli.png").is_file() and "plot:" in out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    code, _, err = run_cli(["report", result.output_dir, "--output", folder / "x.png"], capsys)
+    assert code == 2 and "pip install matplotlib" in single_error_line(err)
+
+
+def test_eval_prompts_log_greedy_completions_at_each_evaluation(tiny_model, data_files, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"instruction": "Add 2 and 3."}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    out = tmp_path / "run"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, eval_prompts=prompts, eval_steps=2, eval_max_new_tokens=5), capsys)
+    assert code == 0, err
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    samples = [r for r in rows if "samples" in r]
+    assert [r["step"] for r in samples] == [2, 4]
+    assert samples[0]["samples"][0]["prompt"].endswith("### Instruction:\nAdd 2 and 3.\n\n### Response:\n")
+    assert samples[0]["samples"][1]["prompt"].endswith("<|user|>\nhi\n<|assistant|>\n")  # the chat template's generation prompt
+    assert "sample at step 2:" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "x"}) + "\n")
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], tmp_path / "bad", eval_prompts=bad), capsys)
+    assert code == 2 and "needs a 'prompt', 'instruction' or 'messages' field" in single_error_line(err)

@@ -1,0 +1,24 @@
+"""The benchmark scripts run as shipped (tiny shapes on CPU): the GPU one must work the day a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpu_bench_runs_every_route_on_a_tiny_shape(tmp_path):
+    env = {**os.environ, "GPU_BENCH_TINY": "1", "GPU_BENCH_OUT": str(tmp_path / "gpu_bench"), "GPU_BENCH_WORK": str(tmp_path / "work")}
+    proc = subprocess.run(["bash", "benchmarks/gpu_bench.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
+    assert [(r["precision"], r["seq"]) for r in runs] == [("bf16", 64), ("4bit", 64)]
+    for run in runs:
+        assert set(run["results"]) == {"lora-tune train (defaults)", "HF Trainer + PEFT (padded)", "TRL SFTTrainer (packing, padding-free)"}
+        for result in run["results"].values():
+            assert result["tokens"] > 0 and result["train_seconds"] > 0 and result["losses"]
+    table = (tmp_path / "gpu_bench.md").read_text()
+    assert table.count("| lora-tune train (defaults) |") == 2 and "vs TRL SFTTrainer" in table
