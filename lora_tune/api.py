@@ -54,11 +54,12 @@ def _quiet(cfg) -> None:
         quiet_libraries()
 
 
-def train(config: str | Path | dict | None = None, **options) -> TrainResult:
-    """Train a LoRA adapter (`lora-tune train`). With `nproc` (or a sharding backend) the ranks run
-    as child processes, as on the command line. Raises UserError for bad input and
-    `lora_tune.recipe.TrainingStopped` when the run stops early (signal, repeated NaN, full disk),
-    after it saved what it could."""
+def train(config: str | Path | dict | None = None, callback=None, **options) -> TrainResult:
+    """Train a LoRA adapter (`lora-tune train`). `callback(record)` gets every metrics record as it
+    is written (e.g. `lora_tune.notebook.LivePlot()`; runs in this process only). With `nproc` (or a
+    sharding backend) the ranks run as child processes, as on the command line. Raises UserError for
+    bad input and `lora_tune.recipe.TrainingStopped` when the run stops early (signal, repeated NaN,
+    full disk), after it saved what it could."""
     from lora_tune import checkpoint as ckpt
     from lora_tune import distributed, engines
     from lora_tune.config import TrainConfig
@@ -83,7 +84,7 @@ def train(config: str | Path | dict | None = None, **options) -> TrainResult:
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        run(cfg)
+        run(cfg, on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
 
 

@@ -44,7 +44,8 @@ def check_reporter(report_to: str) -> None:
 
 
 class MetricsLog:
-    def __init__(self, output_dir: Path, report_to: str, config: dict, resume_step: int | None):
+    def __init__(self, output_dir: Path, report_to: str, config: dict, resume_step: int | None, callback=None):
+        self.callback = callback
         self.path = output_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # Lines written after the checkpoint we resume from belong to steps that will be redone.
@@ -64,6 +65,8 @@ class MetricsLog:
     def write(self, record: dict) -> None:
         self.file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
         self.file.flush()
+        if self.callback:
+            self.callback(dict(record))
         step = record.get("step", 0)
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         samples = record.get("samples")

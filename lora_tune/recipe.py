@@ -146,8 +146,9 @@ def preflight(cfg: TrainConfig, device: torch.device):
 
 
 class Recipe:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, on_metrics=None):
         self.cfg = cfg
+        self.on_metrics = on_metrics
         self.stop_signal: int | None = None
         self.progress = None
         self.last_eval_step: int | None = None
@@ -226,7 +227,7 @@ class Recipe:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             (self.output_dir / "lora_tune_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
             # On resume, metrics of steps after the checkpoint are dropped: those steps are redone.
-            self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if cfg.resume else None)
+            self.metrics = MetricsLog(self.output_dir, cfg.report_to, cfg.model_dump(), self.state.step if cfg.resume else None, self.on_metrics)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.model.parameters() if p.requires_grad)
         log.info("trainable parameters: %s; %d optimizer steps; %s backend on %s", f"{trainable:,}", self.total_steps, self.engine.name, self.device)
@@ -438,8 +439,9 @@ class Recipe:
             lock.release()
 
 
-def run(cfg: TrainConfig) -> None:
-    recipe = Recipe(cfg)
+def run(cfg: TrainConfig, on_metrics=None) -> None:
+    """setup -> train -> save -> cleanup. `on_metrics`: called with each metrics record (rank 0)."""
+    recipe = Recipe(cfg, on_metrics)
     try:
         recipe.setup()
         recipe.train()
