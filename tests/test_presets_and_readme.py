@@ -23,17 +23,37 @@ def test_there_are_presets():
     assert len(PRESETS) >= 4
 
 
+HARDWARE = re.compile(r"^# Hardware: (?:(\d+) nodes x )?(\d+) x ([\w.-]+) \(plan: fits with >= ([\d.]+) GiB spare per GPU\)$")
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_preset_validates_and_its_header_launch_command_parses(preset):
     header = preset.read_text().splitlines()[:3]
-    launch = [line for line in header if line.startswith("# Launch: ")]
-    assert launch, f"{preset.name} must carry its launch command in the header"
+    assert header[0].startswith("# Launch: "), f"{preset.name} must start with its launch command"
+    launch = [header[0]]
     argv = shlex.split(launch[0].removeprefix("# Launch: "))
     assert argv[:2] == ["lora-tune", "train"]
     os.chdir(ROOT)  # the header's paths are relative to the repo root
     cfg = config_from_args(TrainConfig, build_parser().parse_args(argv[1:]))
     assert cfg.base and cfg.output_dir
     assert set(yaml.safe_load(preset.read_text())) <= set(TrainConfig.model_fields)
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
+def test_preset_fits_the_hardware_its_header_names(preset):
+    """The plan, for the preset's own hardware, fits with at least the spare the header states."""
+    import lora_tune
+
+    match = HARDWARE.match(preset.read_text().splitlines()[1])
+    assert match, f"{preset.name}: line 2 must be '# Hardware: N x GPU (plan: fits with >= X GiB spare per GPU)'"
+    nodes, gpus, gpu, margin = int(match.group(1) or 1), int(match.group(2)), match.group(3), float(match.group(4))
+    plan = lora_tune.plan(str(preset), gpus=gpus, nodes=nodes, gpu_memory=gpu)
+    from lora_tune.planner import gpu_memory_bytes
+
+    spare = (gpu_memory_bytes(gpu) - plan.per_device["total_bytes"]) / 2**30
+    assert plan.fits and spare >= margin, (preset.name, spare)
+    config = yaml.safe_load(preset.read_text())
+    assert (config.get("nproc") or 1) == gpus  # the launch command starts that many ranks
 
 
 def quick_start_lines() -> list[str]:
