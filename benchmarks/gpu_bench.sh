@@ -9,15 +9,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shape=8b; steps=8; seqs="2048 8192"; out=benchmarks/results/gpu_bench
-if [ -n "${GPU_BENCH_TINY:-}" ]; then shape=tiny; steps=2; seqs="64"; out="${GPU_BENCH_OUT:-$(mktemp -d)/gpu_bench}"; fi
-work="${GPU_BENCH_WORK:-$(mktemp -d)}"
+if [ -n "${GPU_BENCH_TINY:-}" ]; then shape=tiny; steps=2; seqs="1024"; out="${GPU_BENCH_OUT:-$(mktemp -d)/gpu_bench}"; fi
+work="${GPU_BENCH_WORK:-$(mktemp -d)}"; mkdir -p "$work"
 rm -f "$out.jsonl"
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU (CPU run)"
   for precision in bf16 4bit; do
     for seq in $seqs; do
       python benchmarks/train_vs_peers.py --shape "$shape" --precision "$precision" --seq "$seq" --micro-batch 1 \
-        --max-steps "$steps" --samples 64 --equal-length --workdir "$work" --json "$out.jsonl" 2>/dev/null
+        --max-steps "$steps" --samples 64 --equal-length --workdir "$work" --json "$out.jsonl" 2>"$work/stderr.log" \
+        || { tail -n 30 "$work/stderr.log" >&2; exit 1; }  # third-party noise stays out of the table, failures don't
       echo
     done
   done

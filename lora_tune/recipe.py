@@ -75,10 +75,14 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
     out = Path(cfg.output_dir).expanduser()
     if out.exists() and not out.is_dir():
         raise UserError(f"--output-dir: {out} is a file; give a folder")
-    holder = ckpt.lock_holder(out) if dist.is_main() else None  # rank 0 takes the lock for the job
+    complete, incomplete = ckpt.list_checkpoints(out)
+    if not dist.is_main():
+        # Rank 0 judges the folder (and takes its lock) for the job; by the time another rank looks,
+        # rank 0 may already have written this run's first files there.
+        return out, complete[-1] if cfg.resume and complete else None
+    holder = ckpt.lock_holder(out)
     if holder:
         raise UserError(f"--output-dir: {out} is being written by another lora-tune run ({holder}); wait for it to end or choose another --output-dir")
-    complete, incomplete = ckpt.list_checkpoints(out)
     holds_run = bool(complete or incomplete) or any((out / f).exists() for f in RUN_FILES)
     if not cfg.resume:
         if holds_run:

@@ -36,10 +36,32 @@ def test_missing_base_directory_is_named(tmp_path):
         resolve_base(str(tmp_path / "nope"))
 
 
-def test_hub_ids_and_folders_pass_through(tiny_model):
+def cached_hub_model(monkeypatch, tmp_path, repo_id: str) -> None:
+    """A hub cache (offline) that holds `repo_id`, laid out the way huggingface_hub writes it."""
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_hub_ids_and_folders_pass_through(tiny_model, tmp_path, monkeypatch):
+    cached_hub_model(monkeypatch, tmp_path, "meta-llama/Llama-3.1-8B")
     assert resolve_base("meta-llama/Llama-3.1-8B") == "meta-llama/Llama-3.1-8B"
     assert resolve_base(str(tiny_model)) == str(tiny_model)
     assert resolve_base("llama-8b") == "meta-llama/Llama-3.1-8B"
+
+
+def test_hub_ids_missing_offline_fail_at_once(tmp_path, monkeypatch):
+    cached_hub_model(monkeypatch, tmp_path, "meta-llama/Llama-3.1-8B")
+    with pytest.raises(UserError, match=r"^--base: the model Qwen/Qwen2.5-7B is not in the local Hugging Face cache and offline mode is on"):
+        resolve_base("Qwen/Qwen2.5-7B")
+    with pytest.raises(UserError, match="^--base: the model Qwen/Qwen2.5-7B is not in the local"):
+        resolve_base("qwen2.5-7b")
 
 
 def test_models_command_lists_every_alias(capsys):

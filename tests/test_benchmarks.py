@@ -15,7 +15,7 @@ def test_gpu_bench_runs_every_route_on_a_tiny_shape(tmp_path):
     proc = subprocess.run(["bash", "benchmarks/gpu_bench.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
-    assert [(r["precision"], r["seq"]) for r in runs] == [("bf16", 64), ("4bit", 64)]
+    assert [(r["precision"], r["seq"]) for r in runs] == [("bf16", 1024), ("4bit", 1024)]
     for run in runs:
         assert set(run["results"]) == {"lora-tune train (defaults)", "HF Trainer + PEFT (padded)", "TRL SFTTrainer (packing, padding-free)"}
         for result in run["results"].values():

@@ -196,6 +196,15 @@ def test_fully_masked_samples_are_dropped_and_counted(tokenizer):
     assert one(tokenizer, "prompt_completion", {"prompt": "word " * 100, "completion": "x"}, max_seq_len=16)[1] == DROPPED_NO_LABELS
 
 
+def test_a_source_with_no_usable_sample_is_refused_also_from_the_cache(tmp_path, tokenizer):
+    # Nothing survives: the cache holds zero rows, which must read back as zero rows, not crash.
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "word " * 100, "completion": "x"}] * 3)
+    for attempt in ("built", "cached"):
+        with pytest.raises(UserError, match=r"^--data: no usable samples .*3 dropped with no trainable tokens\); raise --max-seq-len"):
+            prepare_data(cfg(path, max_seq_len=16, data_cache_dir=str(tmp_path / "cache")), tokenizer)
+        assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 1, attempt
+
+
 def test_formats_load_from_parquet_csv_and_folder(tmp_path, tokenizer):
     import datasets
 

@@ -82,4 +82,9 @@ def load_or_build(root: Path | None, key: str, build):
                     shutil.rmtree(tmp, ignore_errors=True)
                 log.info("data: tokenized %s in %.1f s, cached in %s", meta["source"], time.perf_counter() - started, folder)
     meta = json.loads((folder / "meta.json").read_text())
-    return datasets.load_from_disk(str(folder / "data")), meta
+    data = folder / "data"
+    if not json.loads((data / "state.json").read_text())["_data_files"]:
+        # `save_to_disk` writes no Arrow file for zero rows and `load_from_disk` can't read that back
+        features = datasets.Features.from_dict(json.loads((data / "dataset_info.json").read_text())["features"])
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features), meta
+    return datasets.load_from_disk(str(data)), meta
