@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -9,29 +10,118 @@ import torch
 from lora_tune.errors import UserError
 
 
-def default_target_modules(model) -> list[str]:
-    """Short names of every linear layer inside the transformer blocks (q_proj, ..., down_proj).
-
-    bitsandbytes' Linear8bitLt / Linear4bit subclass nn.Linear, so quantised bases resolve the same.
-    The output head and anything outside the blocks are left out on purpose.
-    """
-    names = set()
-    for full_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in f".{full_name}" and "lm_head" not in full_name:
-            names.add(full_name.rsplit(".", 1)[-1])
-    if not names:
-        raise UserError("no linear layers found inside the transformer blocks; pass --target-modules explicitly")
-    return sorted(names)
+# Routers pick experts; adapting them changes which experts see a token, which LoRA recipes for MoE
+# models (Mixtral, Qwen-MoE) leave alone: out of the default, allowed by name.
+ROUTERS = ("gate", "router", "shared_expert_gate")
 
 
-def lora_config(cfg, target_modules: list[str]):
+def meta_model(config):
+    """The model of `config` on the meta device: every module and shape, no memory, no weights."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def in_blocks(name: str) -> bool:
+    """Inside the repeated transformer blocks: under some ModuleList index (layers.3, h.3, ...)."""
+    return any(part.isdigit() for part in name.split("."))
+
+
+def is_linear(module) -> bool:
+    """nn.Linear (bitsandbytes' 8/4-bit layers subclass it) or GPT-2's Conv1D (a transposed linear)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def block_path(name: str) -> str:
+    """`model.layers.3.mlp.experts` -> `mlp.experts`: the path inside a block."""
+    parts = name.split(".")
+    digits = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[digits[0] + 1 :]) if digits else name
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What LoRA adapts: linear modules by short name, and fused expert tensors (3-D parameters,
+    peft's target_parameters) by their path inside a block."""
+
+    modules: tuple[str, ...]
+    parameters: tuple[str, ...] = ()
+
+    def describe(self, model) -> str:
+        counts: dict[str, int] = {}
+        for name, module in model.named_modules():
+            short = name.rsplit(".", 1)[-1]
+            if short in self.modules and in_blocks(name):
+                counts[short] = counts.get(short, 0) + 1
+        for name, _ in model.named_parameters():
+            if in_blocks(name) and block_path(name) in self.parameters:
+                counts[block_path(name)] = counts.get(block_path(name), 0) + 1
+        return ", ".join(f"{k} x{v}" for k, v in counts.items())
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """What a model offers LoRA, by name: linear layers in the blocks (short names), fused expert
+    tensors and non-linear routers (paths inside a block). Taken from the real model or from a
+    meta skeleton (the planner), so both resolve --target-modules by the same rules."""
+
+    linears: tuple[str, ...]
+    experts: tuple[str, ...]
+    routers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model) -> "Inventory":
+        linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m) and in_blocks(n)}
+        experts = {block_path(n) for n, p in model.named_parameters() if p.dim() == 3 and in_blocks(n)}
+        routers = {block_path(n) for n, m in model.named_modules() if in_blocks(n) and n.rsplit(".", 1)[-1] in ROUTERS and not is_linear(m)}
+        return cls(tuple(sorted(linears)), tuple(sorted(experts)), tuple(sorted(routers)))
+
+
+def resolve_targets(model_or_inventory, cfg) -> Targets:
+    """--target-modules checked against the model (a meta skeleton does): each name is a linear
+    module (short name), a fused expert tensor (its name, or `experts` for all of them), or a
+    router. Default: every linear layer of the transformer blocks (fused qkv_proj / gate_up_proj /
+    c_attn kept whole), never lm_head or anything outside the blocks, the MoE routers left out, and
+    MoE experts included: per-expert linears by name, fused expert tensors as target parameters."""
+    inv = model_or_inventory if isinstance(model_or_inventory, Inventory) else Inventory.of(model_or_inventory)
+    if not cfg.target_modules:
+        names = [n for n in inv.linears if n not in ROUTERS]
+        if not names:
+            raise UserError("--target-modules: no linear layers found inside the transformer blocks of this model; pass --target-modules explicitly")
+        targets = Targets(tuple(names), inv.experts)
+    else:
+        modules, parameters = [], []
+        for name in cfg.target_modules:
+            experts = [e for e in inv.experts if name in ("experts", e.rsplit(".", 1)[-1])]
+            routers = [f"{r}.weight" for r in inv.routers if r.rsplit(".", 1)[-1] == name]  # a router as a parameter (peft ParamWrapper)
+            if name in inv.linears:
+                modules.append(name)
+            elif experts or routers:
+                parameters += experts + routers
+            else:
+                choices = " ".join(list(inv.linears) + (["experts"] if inv.experts else []) + sorted({r.rsplit('.', 1)[-1] for r in inv.routers}))
+                raise UserError(f"--target-modules: {name} is not a linear layer or expert tensor of this model; choose from: {choices}")
+        targets = Targets(tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(parameters)))
+    if targets.parameters and getattr(cfg, "dropout", 0):
+        raise UserError(f"--dropout {cfg.dropout}: LoRA on {', '.join(targets.parameters)} (fused expert/router tensors, peft's target_parameters) "
+                        "works only without dropout; pass --dropout 0, or leave them out with --target-modules " + " ".join(targets.modules))
+    if targets.parameters and getattr(cfg, "dora", False):
+        raise UserError(f"--dora: peft has no DoRA for fused expert/router tensors ({', '.join(targets.parameters)}); leave out --dora or pass --target-modules " + " ".join(targets.modules))
+    return targets
+
+
+def lora_config(cfg, targets: Targets):
     from peft import LoraConfig
 
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.lora_alpha,
         lora_dropout=cfg.dropout,
-        target_modules=target_modules,
+        target_modules=list(targets.modules),
+        target_parameters=list(targets.parameters) or None,
         use_rslora=cfg.rslora,
         use_dora=cfg.dora,
         bias="none",
@@ -39,23 +129,15 @@ def lora_config(cfg, target_modules: list[str]):
     )
 
 
-def check_target_modules(model, target_modules: list[str]) -> None:
-    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in target_modules if t not in present]
-    if missing:
-        linear = default_target_modules(model)
-        raise UserError(f"--target-modules: {', '.join(missing)} not found in this model; its linear layers are {' '.join(linear)}")
-
-
-def add_lora(model, cfg, base_id: str):
+def add_lora(model, cfg, base_id: str, targets: Targets | None = None):
     """Wrap the base with trainable LoRA layers (fp32), checkpointing set up for peft.
 
-    Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad.
+    Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad. `targets`:
+    resolved before loading (from a meta skeleton); else resolved on `model`.
     """
     from peft import get_peft_model
 
-    targets = cfg.target_modules or default_target_modules(model)
-    check_target_modules(model, targets)
+    targets = targets or resolve_targets(model, cfg)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
         # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
@@ -139,7 +221,9 @@ def check_adapter_state(state: dict[str, torch.Tensor], lora_cfg) -> None:
     for name, t in state.items():
         if t.numel() == 0:
             raise RuntimeError(f"adapter tensor {name} is empty (shape {tuple(t.shape)}); refusing to write it")
-        if "lora_A" in name and t.shape[0] != lora_cfg.r and not lora_cfg.rank_pattern:
+        # r rows; fused expert tensors (target_parameters) stack one rank-r factor per expert.
+        rows_ok = t.shape[0] % lora_cfg.r == 0 if lora_cfg.target_parameters else t.shape[0] == lora_cfg.r
+        if "lora_A" in name and not rows_ok and not lora_cfg.rank_pattern:
             raise RuntimeError(f"adapter tensor {name} has shape {tuple(t.shape)}, expected rank {lora_cfg.r} rows")
 
 

@@ -32,6 +32,10 @@ ALIASES = {
         Alias("mistral-7b", "mistralai/Mistral-7B-v0.1", "Mistral 7B v0.1"),
         Alias("qwen2.5-7b", "Qwen/Qwen2.5-7B", "Qwen2.5 7B"),
         Alias("qwen2.5-72b", "Qwen/Qwen2.5-72B", "Qwen2.5 72B"),
+        Alias("qwen3-8b", "Qwen/Qwen3-8B", "Qwen3 8B"),
+        Alias("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "Mixtral 8x7B (MoE: 8 experts, 2 active)"),
+        Alias("gemma2-9b", "google/gemma-2-9b", "Gemma-2 9B"),
+        Alias("phi3-mini", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 mini 4k (fused qkv and gate_up)"),
         Alias("tiny-llama", "local:tiny-llama", "2-layer Llama with random weights, built offline (demo and tests)"),
     ]
 }

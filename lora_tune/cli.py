@@ -91,24 +91,14 @@ def config_from_args(schema, args: argparse.Namespace, skip=("command", "config"
 
 def cmd_models() -> int:
     from lora_tune.aliases import ALIASES, architecture
+    from lora_tune.planner import Architecture
 
-    print(f"{'alias':<13} {'hub id':<28} {'params':>8}  description")
+    print(f"{'alias':<13} {'hub id':<33} {'params':>8}  description")
     for a in ALIASES.values():
-        arch = architecture(a.name)
-        print(f"{a.name:<13} {a.hub_id:<28} {approx_params(arch) / 1e9:>7.2f}B  {a.description}")
+        params = Architecture.from_config(architecture(a.name)).total_params()  # exact: counted on a meta skeleton
+        size = f"{params / 1e9:>7.2f}B" if params >= 1e8 else f"{params / 1e6:>7.2f}M"
+        print(f"{a.name:<13} {a.hub_id:<33} {size}  {a.description}")
     return 0
-
-
-def approx_params(arch: dict) -> float:
-    """Parameter count of a Llama-style config (embeddings, attention, SwiGLU MLP, norms, head)."""
-    h, i, layers, vocab = arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"], arch["vocab_size"]
-    heads = arch["num_attention_heads"]
-    kv = arch.get("num_key_value_heads", heads)
-    head_dim = arch.get("head_dim") or h // heads
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    per_layer = attn + 3 * h * i + 2 * h
-    head = 0 if arch.get("tie_word_embeddings") else vocab * h
-    return vocab * h + layers * per_layer + h + head
 
 
 def setup_logging() -> None:

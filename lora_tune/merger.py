@@ -130,6 +130,29 @@ def base_shards(folder: Path) -> list[Path]:
     raise UserError(f"--base: {folder} has neither model.safetensors nor model.safetensors.index.json")
 
 
+def transposed_weights(base: Path, trust_remote_code: bool) -> set[str] | None:
+    """Names of the weights stored (in, out) on disk: those of Conv1D modules (GPT-2 style), read
+    from the base's own architecture (a meta skeleton). The adapter's `fan_in_fan_out` flag can't
+    be trusted for this: a quantized base turns Conv1D into Linear during training and saves False.
+    None when the architecture can't be built here (remote code): the flag decides then."""
+    import importlib.util
+
+    model_type = json.loads((base / "config.json").read_text()).get("model_type", "")
+    spec = importlib.util.find_spec("transformers")
+    modeling = Path(spec.origin).parent / "models" / model_type.replace("-", "_") / f"modeling_{model_type.replace('-', '_')}.py"
+    if not modeling.is_file():
+        return None
+    if "Conv1D" not in modeling.read_text():
+        return set()  # no Conv1D anywhere in this family's code: skip importing transformers (seconds)
+    from transformers import AutoConfig
+    from transformers.pytorch_utils import Conv1D
+
+    from lora_tune.adapter import meta_model
+
+    config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
+    return {f"{name}.weight" for name, m in meta_model(config).named_modules() if isinstance(m, Conv1D)}
+
+
 # --- the merge arithmetic ----------------------------------------------------------------------------
 def merged_weight(weight: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, name: str) -> torch.Tensor:
     """fp32 merge of one weight, in peft's operation order."""
@@ -304,9 +327,9 @@ class TensorMerger:
     adapter touches it, check it is finite, cast once. Sampled LoRA layers are verified on the
     spot against the unmerged LoRA forward, so no tensor outlives its turn."""
 
-    def __init__(self, modules, replacements, fan_in_fan_out: bool, dtype: torch.dtype, verify: bool):
+    def __init__(self, modules, replacements, transposed: set[str], dtype: torch.dtype, verify: bool):
         self.modules, self.replacements = modules, replacements
-        self.fan_in_fan_out, self.dtype = fan_in_fan_out, dtype
+        self.transposed, self.dtype = transposed, dtype
         self.verify_every = max(1, len(modules) // VERIFY_LAYERS) if verify else 0
         self.layer_drifts: list[float] = []
         self.merged = 0
@@ -327,8 +350,9 @@ class TensorMerger:
     def __call__(self, t: PlannedTensor) -> torch.Tensor:
         tensor = self._read(t)
         lora = self.modules.get(t.name)
+        fan_in_fan_out = t.name in self.transposed
         if lora is not None:
-            result = merged_weight(tensor, lora, self.fan_in_fan_out, t.name)
+            result = merged_weight(tensor, lora, fan_in_fan_out, t.name)
         elif t.name in self.replacements:
             result = self.replacements[t.name].float()
             if list(result.shape) != t.shape:
@@ -341,7 +365,7 @@ class TensorMerger:
             result = result.to(self.dtype)  # the one cast
         if lora is not None:
             if self.verify_every and self.merged % self.verify_every == 0:
-                self.layer_drifts.append(verify_layer(t.name, tensor, result, lora, self.fan_in_fan_out))
+                self.layer_drifts.append(verify_layer(t.name, tensor, result, lora, fan_in_fan_out))
             self.merged += 1
         return result
 
@@ -350,6 +374,34 @@ class TensorMerger:
 
 
 # --- the command ----------------------------------------------------------------------------------
+def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig) -> float | None:
+    """Through transformers and peft, the whole model in host memory: for adapters on tensors the
+    checkpoint stores under other names and shapes than the loaded model (transformers 5 fuses
+    MoE experts and renames routers on load). save_pretrained writes them back in the checkpoint's
+    own layout. Checked on the spot: logits of base + adapter vs the merged model. Returns the drift."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dtype = OUT_DTYPE[cfg.dtype]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        merged = model.merge_and_unload()
+        got = merged(input_ids=ids).logits
+    for name, p in merged.named_parameters():
+        if p.is_floating_point() and not all_finite(p.data):
+            raise UserError(f"merged weight {name} contains NaN/inf; the adapter is broken (check the training metrics)")
+    merged.save_pretrained(out, max_shard_size=cfg.max_shard_size)
+    drift = relative_drift(got, want)
+    log.info("verify: whole-model logits, base + adapter (peft) vs merged: relative drift %.2e", drift)
+    return drift if cfg.verify else None
+
+
 def prepare_output(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"--output: {out} is a file; give a folder")
@@ -367,39 +419,58 @@ def run(cfg: MergeConfig) -> Path:
     if not base_ref:
         raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
     base = base_folder(base_ref)
-    modules, replacements = lora_modules(config, weights)
-    fan_in_fan_out = bool(config.get("fan_in_fan_out"))
     dtype = OUT_DTYPE[cfg.dtype]
-
     shards = base_shards(base)
+    if config.get("target_parameters"):
+        n_params = sum(math.prod(t.shape) for group in plan_output(shards, dtype, max_bytes) for t in group)
+        log.warning("merge: the adapter adapts %s (fused tensors that the checkpoint stores under other names, e.g. per expert); "
+                    "merging through transformers with the whole model in host memory (~%.1f GB)",
+                    ", ".join(config["target_parameters"]), n_params * dtype.itemsize / 1e9)
+        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
+    modules, replacements = lora_modules(config, weights)
+    transposed = transposed_weights(base, cfg.trust_remote_code)
+    if transposed is None:
+        transposed = set(modules) if config.get("fan_in_fan_out") else set()
+
     groups = plan_output(shards, dtype, max_bytes)
     planned_names = {t.name for group in groups for t in group}
     missing = sorted((set(modules) | set(replacements)) - planned_names)
     if missing:
         raise UserError(f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this adapter was trained on another base")
 
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    t0 = time.perf_counter()
-    merger = TensorMerger(modules, replacements, fan_in_fan_out, dtype, cfg.verify)
-    n_params = sum(math.prod(t.shape) for group in groups for t in group)
-    try:
+    def stream(tmp: Path) -> float | None:
+        t0 = time.perf_counter()
+        merger = TensorMerger(modules, replacements, transposed, dtype, cfg.verify)
         names = shard_names(len(groups))
         for group, name in zip(groups, names):
             write_shard(tmp / name, group, merger)
         merger.close()
         write_index(tmp, groups, names)
-        write_side_files(base, adapter_dir, tmp, cfg.dtype)
         total = sum(t.nbytes for group in groups for t in group)
         log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, len(modules), time.perf_counter() - t0)
-        if cfg.verify:
-            drift = max(merger.layer_drifts, default=0.0)
-            log.info("verify: %d sampled layers vs the unmerged LoRA forward: max relative drift %.2e", len(merger.layer_drifts), drift)
-            if n_params <= FULL_CHECK_MAX_PARAMS:
-                logits_drift = verify_logits(base, adapter_dir, tmp, cfg.trust_remote_code)
-                log.info("verify: whole-model logits vs base + adapter (peft): relative drift %.2e", logits_drift)
-                drift = max(drift, logits_drift)
+        if not cfg.verify:
+            return None
+        drift = max(merger.layer_drifts, default=0.0)
+        log.info("verify: %d sampled layers vs the unmerged LoRA forward: max relative drift %.2e", len(merger.layer_drifts), drift)
+        if sum(math.prod(t.shape) for group in groups for t in group) <= FULL_CHECK_MAX_PARAMS:
+            logits_drift = verify_logits(base, adapter_dir, tmp, cfg.trust_remote_code)
+            log.info("verify: whole-model logits vs base + adapter (peft): relative drift %.2e", logits_drift)
+            drift = max(drift, logits_drift)
+        return drift
+
+    return finish(out, stream, base, adapter_dir, cfg)
+
+
+def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) -> Path:
+    """Run `write(tmp)` (-> drift, or None when not verified) into a hidden temporary folder, add
+    the side files, check the drift, and only then put the folder in place."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write_side_files(base, adapter_dir, tmp, cfg.dtype)  # first: verification loads the folder
+        drift = write(tmp)
+        if drift is not None:
             tolerance = TOLERANCE[cfg.dtype]
             if not drift <= tolerance:
                 raise UserError(f"verification failed: merged model drifts {drift:.2e} from base + adapter (tolerance {tolerance:.0e}); nothing was written")

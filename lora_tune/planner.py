@@ -7,8 +7,12 @@ Everything is computed from config.json alone (shipped for aliases), never from 
   per 64, fp32 absmax per 256 blocks, code books); LoRA weights, gradients in fp32; AdamW (two fp32
   states + step), bitsandbytes 8-bit AdamW (two uint8 states, fp32 absmax per 256, two 256-entry
   code books; tensors under 4096 elements stay 32-bit).
+* parameters and LoRA parameters counted exactly on a meta-device skeleton of the config (any family
+  transformers implements: fused projections, Conv1D, tied embeddings, MoE experts all stored).
 * activations, per token and per layer, for HF's Llama-family layer with peft LoRA under autocast,
-  derived by listing what autograd saves (and checked against saved_tensors_hooks in the tests):
+  derived by listing what autograd saves (and checked against saved_tensors_hooks in the tests);
+  other families use the same terms with their shapes (plain 2-matrix MLPs: 2 e i; MoE: the
+  active experts' MLPs per token):
     2 RMSNorms             2 x (4h + 4)        fp32 input + rsqrt, whatever the compute dtype
     SDPA                   e(2q + 2kv) + 4n    q, k, v (kv heads, not repeated), output; fp32 logsumexp
     SwiGLU MLP             3e i                gate output, SiLU output, up output
@@ -33,13 +37,17 @@ Everything is computed from config.json alone (shipped for aliases), never from 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import torch
+
 from lora_tune import engines
+from lora_tune.adapter import Inventory, resolve_targets
 from lora_tune.errors import UserError
 
 GIB = 2**30
@@ -50,44 +58,82 @@ GPUS = {
 }
 CUDA_CONTEXT = 512 * 2**20  # CUDA context + cuBLAS workspace: outside max_memory_allocated, but real
 ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "8bit": 2, "4bit": 2}  # compute dtype size
-MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)
 class Architecture:
+    """The shapes of a causal LM, read off a meta-device skeleton of its config (no weights, no
+    memory): every family transformers implements, counted exactly, whatever it fuses, ties,
+    shares or spreads over experts."""
+
+    model_type: str
     hidden: int
-    intermediate: int
+    intermediate: int  # MLP width (per expert for MoE)
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
-    tied: bool
-    qkv_bias: bool
+    gated: bool  # SwiGLU/GeGLU MLP (gate, up, product) or a plain one (fc, activation)
+    experts: int  # 0: dense
+    active_experts: int  # experts per token (MoE)
+    linears: tuple[tuple[str, int, int], ...]  # (short name, in, out) of every linear layer in the blocks
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (path in a block, shape): fused expert tensors, routers
+    inventory: Inventory
+    total: int
+    other_params: int  # not in a linear weight: embeddings, head, norms, biases, experts, routers
 
     @classmethod
     def from_config(cls, c: dict) -> "Architecture":
-        try:
-            heads = c["num_attention_heads"]
-            return cls(c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], heads, c.get("num_key_value_heads") or heads,
-                       c.get("head_dim") or c["hidden_size"] // heads, c["vocab_size"], bool(c.get("tie_word_embeddings", False)),
-                       c.get("model_type") == "qwen2" or bool(c.get("attention_bias", False)))
-        except KeyError as e:
-            raise UserError(f"--base: config.json has no {e.args[0]}; only Llama-family decoders (Llama, Mistral, Qwen2) can be planned") from None
-
-    def linears(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of one block."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        return _architecture(json.dumps(c, sort_keys=True, default=str))
 
     def unquantized_params(self) -> int:
-        """Embeddings, head, norms and biases: bitsandbytes leaves them in the compute dtype."""
-        h = self.hidden
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-        return self.vocab * h * (1 if self.tied else 2) + self.layers * (2 * h + bias) + h
+        """Everything bitsandbytes leaves in the compute dtype: it quantizes nn.Linear (and GPT-2's
+        Conv1D) only, so embeddings, head, norms, biases, and fused 3-D MoE expert tensors stay."""
+        return self.other_params
 
     def total_params(self) -> int:
-        return self.unquantized_params() + self.layers * sum(a * b for a, b in self.linears().values())
+        return self.total
+
+
+@functools.lru_cache(maxsize=16)
+def _architecture(config_json: str) -> Architecture:
+    from transformers import AutoConfig
+
+    from lora_tune.adapter import block_path, in_blocks, is_linear, meta_model
+
+    c = json.loads(config_json)
+    model_type = c.get("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in c.items() if k != "model_type"})
+        skeleton = meta_model(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--base: transformers can't build model_type {model_type!r} from this config.json ({str(e).splitlines()[0][:120]}); "
+                        "only causal LMs that transformers implements (no remote code) can be planned") from None
+    linears, linear_weights = [], set()
+    for name, m in skeleton.named_modules():
+        if is_linear(m) and in_blocks(name):
+            # Conv1D (GPT-2) stores its weight (in, out)
+            n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else tuple(m.weight.shape)
+            linears.append((name.rsplit(".", 1)[-1], int(n_in), int(n_out)))
+            linear_weights.add(f"{name}.weight")
+    params = dict(skeleton.named_parameters())
+    tensors = tuple((block_path(n), tuple(p.shape)) for n, p in params.items() if in_blocks(n) and p.dim() >= 2 and n not in linear_weights)
+    total = sum(p.numel() for p in params.values())
+    names = {n for n, _, _ in linears}
+    get = lambda *keys: next((getattr(config, k) for k in keys if getattr(config, k, None)), None)  # noqa: E731
+    try:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+    except AttributeError as e:  # e.g. Mamba: no attention, so no activation model here
+        raise UserError(f"--base: {model_type} has no attention layers ({e}); the planner models transformer decoders only") from None
+    return Architecture(
+        model_type=model_type, hidden=hidden, intermediate=get("moe_intermediate_size", "intermediate_size", "n_inner") or 4 * hidden,
+        layers=config.num_hidden_layers, heads=heads, kv_heads=get("num_key_value_heads") or heads, head_dim=get("head_dim") or hidden // heads,
+        vocab=config.vocab_size, gated=bool(names & {"gate_proj", "gate_up_proj", "w1"}) or any("gate_up" in t for t, _ in tensors),
+        experts=get("num_local_experts", "num_experts", "n_routed_experts") or 0, active_experts=get("num_experts_per_tok") or 1,
+        linears=tuple(linears), tensors=tensors, inventory=Inventory.of(skeleton), total=total,
+        other_params=total - sum(a * b for _, a, b in linears),
+    )
 
 
 def load_architecture(base: str) -> Architecture:
@@ -117,7 +163,7 @@ def load_architecture(base: str) -> Architecture:
 class Setup:
     precision: str = "bf16"
     rank: int = 16
-    target_modules: tuple[str, ...] = MODULES
+    target_modules: tuple[str, ...] | None = None  # None: the default targets (every linear layer of the blocks, experts)
     micro_batch_size: int = 1
     max_seq_len: int = 2048
     gradient_checkpointing: bool = True
@@ -157,19 +203,27 @@ def quantized_weight_bytes(n_in: int, n_out: int, precision: str) -> int:
 
 
 def base_weight_bytes(arch: Architecture, precision: str) -> tuple[int, int]:
-    """(all weights, largest layer) in bytes as loaded."""
-    layer = sum(quantized_weight_bytes(a, b, precision) for a, b in arch.linears().values())
-    other = arch.unquantized_params() * (4 if precision == "fp32" else 2)
-    return other + arch.layers * layer, layer
+    """(all weights, one layer) in bytes as loaded."""
+    dense = 4 if precision == "fp32" else 2
+    linears = sum(quantized_weight_bytes(a, b, precision) for _, a, b in arch.linears)
+    in_blocks = linears + dense * sum(math.prod(shape) for _, shape in arch.tensors)
+    return linears + dense * arch.other_params, in_blocks // arch.layers
 
 
 def lora_tensors(arch: Architecture, setup: Setup) -> list[int]:
-    """Element counts of every LoRA tensor (A and B per targeted linear per layer)."""
+    """Element counts of every LoRA tensor: A (r x in) and B (out x r) per targeted linear; for a
+    fused expert tensor (E, out, in) peft's ParamWrapper stacks one rank-r pair per expert."""
+    targets = resolve_targets(arch.inventory, setup)
+    r = setup.rank
     sizes = []
-    for name, (n_in, n_out) in arch.linears().items():
-        if name in setup.target_modules:
-            sizes += [setup.rank * n_in, n_out * setup.rank]
-    return sizes * arch.layers
+    for name, n_in, n_out in arch.linears:
+        if name in targets.modules:
+            sizes += [r * n_in, n_out * r]
+    for path, shape in arch.tensors:
+        if path in targets.parameters:
+            experts, (n_out, n_in) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
+            sizes += [r * experts * n_in, n_out * r * experts]
+    return sizes
 
 
 def optimizer_bytes(tensors: list[int], optim: str) -> int:
@@ -188,17 +242,25 @@ def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     norms = 2 * (4 * h + 4)
     attention = e * (2 * q + 2 * kv) + 4 * arch.heads
-    mlp = 3 * e * i
-    targets = [name for name in arch.linears() if name in setup.target_modules]
-    linears = arch.linears()
-    lora = sum(e * setup.rank for _ in targets)  # lora_A outputs
+    mlp = (3 if arch.gated else 2) * e * i * (arch.active_experts if arch.experts else 1)  # MoE: each token's top-k experts
+    targets = resolve_targets(arch.inventory, setup)
+    per_layer = [(name, n_in) for name, n_in, _ in arch.linears[: len(arch.linears) // arch.layers] if name in targets.modules]
+    lora = sum(e * setup.rank for _ in per_layer)  # lora_A outputs
     if setup.precision == "fp32":
         # No casts: LoRA layers reading the same input (q/k/v, gate/up) share one saved tensor.
-        groups = [("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)]
-        lora += sum(e * linears[g[0]][0] for g in groups if any(name in targets for name in g))
+        groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
+        seen = set()
+        for name, n_in in per_layer:
+            group = next((g for g in groups if name in g), (name,))
+            if group not in seen:
+                seen.add(group)
+                lora += e * n_in
     else:
         # Under autocast peft recasts the input of each LoRA layer: one copy per layer.
-        lora += sum(e * linears[name][0] for name in targets)
+        lora += sum(e * n_in for _, n_in in per_layer)
+    # Fused expert tensors: each token's input and rank-r middle, per active expert.
+    experts = [shape for path, shape in arch.tensors if path in targets.parameters and len(shape) == 3]
+    lora += sum(e * (shape[2] + setup.rank) * arch.active_experts for shape in experts) // arch.layers
     return norms + attention + mlp + lora
 
 
@@ -315,9 +377,17 @@ def relative_speed(setup: Setup) -> float:
     return setup.world * utilisation / cost
 
 
-def candidates(base: Setup):
-    """Setups `train` runs (the backends' compatibility cells), so the recommended command is exact."""
-    cells = [c for c in engines.supported_cells() if c.precision in ("bf16", "8bit", "4bit")]
+def candidates(base: Setup, arch: Architecture):
+    """Setups `train` runs (the backends' compatibility cells, and for this model), so the
+    recommended command is exact."""
+    cells = []
+    for c in engines.supported_cells():
+        if c.precision in ("bf16", "8bit", "4bit"):
+            try:
+                engines.check_layer_by_layer(c, arch.model_type)
+                cells.append(c)
+            except UserError:
+                pass
     for cell in cells:
         if base.world > 1 and cell.backend == "single":
             continue  # one process can't use several GPUs
@@ -335,7 +405,7 @@ def fits(est: Estimate, gpu_bytes: int, cpu_bytes: int | None) -> bool:
 
 def search(arch: Architecture, base: Setup, gpu_bytes: int, cpu_bytes: int | None):
     """(best fitting setup or None, its estimate, nearest setup when none fits)."""
-    scored = [(s, estimate(arch, s)) for s in candidates(base)]
+    scored = [(s, estimate(arch, s)) for s in candidates(base, arch)]
     fitting = [(s, e) for s, e in scored if fits(e, gpu_bytes, cpu_bytes)]
     if fitting:
         best = max(fitting, key=lambda se: (relative_speed(se[0]), -se[1].per_device["total_bytes"]))
@@ -411,7 +481,7 @@ OOM_ADVICE = [
 
 
 def setup_from(cfg) -> Setup:
-    return Setup(precision=cfg.precision, rank=cfg.rank, target_modules=tuple(cfg.target_modules or MODULES),
+    return Setup(precision=cfg.precision, rank=cfg.rank, target_modules=tuple(cfg.target_modules) if cfg.target_modules else None,
                  micro_batch_size=cfg.micro_batch_size, max_seq_len=cfg.max_seq_len, gradient_checkpointing=cfg.gradient_checkpointing,
                  optim="adamw" if cfg.optim == "adamw" else "adamw_8bit", loss_chunk_size=cfg.loss_chunk_size,
                  activation_offload=cfg.activation_offload,
@@ -440,12 +510,23 @@ class Plan:
         return {**out, "recommended": self.recommended} if self.auto else out
 
 
+def quantization_note(arch: Architecture, precision: str) -> str | None:
+    """bitsandbytes quantizes linear layers only: say how much of the model stays in bf16."""
+    fused = sum(math.prod(shape) for _, shape in arch.tensors if len(shape) == 3)
+    if precision in ("8bit", "4bit") and fused:
+        return (f"note: {precision} quantizes linear layers only; this model's fused MoE expert tensors ({fused / 1e9:.2f}B of "
+                f"{arch.total_params() / 1e9:.2f}B parameters) stay in bf16, and the figures above count them so")
+    return None
+
+
 def compute(cfg) -> Plan:
     from lora_tune.config import parse_size
 
     # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
     engines.check_compatibility(cfg, paths=False)
     arch = load_architecture(cfg.base)
+    if not cfg.auto:
+        engines.check_layer_by_layer(cfg, arch.model_type)
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
     cpu_bytes = parse_size(cfg.cpu_memory, "--cpu-memory") if cfg.cpu_memory else None
@@ -462,6 +543,8 @@ def compute(cfg) -> Plan:
     else:
         est = estimate(arch, setup)
         text = table(est, setup, gpu_bytes, cpu_bytes)
+    note = quantization_note(arch, setup.precision)
+    text = f"{text}\n{note}" if note else text
     return Plan(est.trainable_parameters, dict(est.per_device), dict(est.host), est.nvme_bytes, fits(est, gpu_bytes, cpu_bytes),
                 setup, bool(cfg.auto), recommended, text)
 

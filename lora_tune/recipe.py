@@ -22,7 +22,7 @@ import yaml
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune import engines
-from lora_tune.adapter import add_lora, save_adapter
+from lora_tune.adapter import Targets, add_lora, meta_model, resolve_targets, save_adapter
 from lora_tune.aliases import resolve_base
 from lora_tune.config import TrainConfig
 from lora_tune.batching import MicroBatches, collate, pack_best_fit_decreasing
@@ -31,7 +31,7 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
 from lora_tune.metrics import MetricsLog, Progress, check_reporter, peak_memory_bytes
 from lora_tune.loss import CausalLMLoss, chunking_refusal
-from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, packing_refusal, pick_device
+from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, model_class, packing_refusal, pick_device
 
 log = logging.getLogger("lora_tune")
 
@@ -185,11 +185,28 @@ class Recipe:
         self.saved_state = saved_state
         self.plan = preflight(cfg, self.device)
 
+    def lora_targets(self, config) -> Targets | None:
+        """--target-modules resolved on a meta skeleton of the model (shapes only, no weights), so a
+        bad name or an unsupported combination fails before loading; what is adapted is logged."""
+        engines.check_layer_by_layer(self.cfg, config.model_type)
+        if model_class(config) is None:
+            return None  # remote code: resolved on the loaded model
+        skeleton = meta_model(config)
+        targets = resolve_targets(skeleton, self.cfg)
+        log.info("LoRA targets: %s", targets.describe(skeleton))
+        fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
+        if self.cfg.precision in ("8bit", "4bit") and fused:
+            total = sum(p.numel() for p in skeleton.parameters())
+            log.warning("%s: bitsandbytes quantizes linear layers only; this model's fused MoE expert tensors (%s of %s parameters) stay in bf16",
+                        self.cfg.precision, f"{fused:,}", f"{total:,}")
+        return targets
+
     def check_speed_levers(self) -> None:
         """Packing, the chunked loss, activation offload and the attention kernels, checked against
         this model and machine from its config alone; what can't apply says so in one line."""
         cfg = self.cfg
         config = load_config(self.base_path, cfg.trust_remote_code)
+        self.targets = self.lora_targets(config)
         attention = attention_implementation(cfg.attn_implementation, config, self.device)
         self.packing = cfg.packing
         reason = packing_refusal(config) if cfg.packing else None
@@ -216,7 +233,7 @@ class Recipe:
         # Only now, with every input checked, the expensive part. The engine decides how the base
         # is loaded and partitioned and when the adapter goes in.
         self.engine = engines.create(cfg, self.device)
-        self.model = self.engine.load(self.base_path, lambda base: CausalLMLoss(add_lora(base, cfg, self.base_id), self.loss_chunk_size))
+        self.model = self.engine.load(self.base_path, lambda base: CausalLMLoss(add_lora(base, cfg, self.base_id, self.targets), self.loss_chunk_size))
         self.state = RunState()
         if self.saved_state:
             self.engine.load_adapter(self.resume_from)

@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 
 from lora_tune.aliases import ALIASES, architecture, resolve_base
-from lora_tune.cli import approx_params
+from lora_tune.planner import Architecture
 from lora_tune.errors import UserError
 
 from conftest import run_cli
 
-REQUIRED = ["llama-70b", "llama-8b", "llama2-7b", "llama2-13b", "llama2-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-72b"]
-# Published parameter counts (model cards), in billions.
-PUBLISHED = {"llama-70b": 70.55, "llama-8b": 8.03, "llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98, "mistral-7b": 7.24, "qwen2.5-7b": 7.62, "qwen2.5-72b": 72.7}
+REQUIRED = ["llama-70b", "llama-8b", "llama2-7b", "llama2-13b", "llama2-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "mixtral-8x7b", "gemma2-9b", "phi3-mini"]
+# Published parameter counts (model cards, safetensors metadata), in billions.
+PUBLISHED = {"llama-70b": 70.55, "llama-8b": 8.03, "llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98, "mistral-7b": 7.24, "qwen2.5-7b": 7.62,
+             "qwen2.5-72b": 72.7, "qwen3-8b": 8.19, "mixtral-8x7b": 46.70, "gemma2-9b": 9.24, "phi3-mini": 3.82}
 
 
 @pytest.mark.parametrize("alias", REQUIRED)
@@ -23,7 +24,7 @@ def test_alias_architecture_builds_a_transformers_config(alias):
     config = AutoConfig.for_model(**arch)
     assert config.num_hidden_layers == arch["num_hidden_layers"]
     assert "/" in ALIASES[alias].hub_id
-    assert approx_params(arch) / 1e9 == pytest.approx(PUBLISHED[alias], rel=0.01)
+    assert Architecture.from_config(arch).total_params() / 1e9 == pytest.approx(PUBLISHED[alias], rel=0.002)
 
 
 def test_unknown_alias_suggests_close_one():
@@ -64,8 +65,13 @@ def test_hub_ids_missing_offline_fail_at_once(tmp_path, monkeypatch):
         resolve_base("qwen2.5-7b")
 
 
-def test_models_command_lists_every_alias(capsys):
+def test_models_command_lists_every_alias_with_its_size(capsys, tiny_model):
+    from transformers import AutoModelForCausalLM
+
     code, out, _ = run_cli(["models"], capsys)
     assert code == 0
+    rows = {line.split()[0]: line.split()[2] for line in out.splitlines()[1:]}
     for alias in REQUIRED:
-        assert alias in out
+        assert rows[alias].endswith("B") and float(rows[alias][:-1]) == pytest.approx(PUBLISHED[alias], rel=0.002)
+    tiny = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_model)).parameters())
+    assert rows["tiny-llama"] == f"{tiny / 1e6:.2f}M"

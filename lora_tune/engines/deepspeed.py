@@ -30,6 +30,11 @@ log = logging.getLogger("lora_tune")
 class DeepSpeedEngine:
     name = "deepspeed"
     ZERO_STAGES = (1, 2, 3)
+
+    @staticmethod
+    def loads_layer_by_layer(precision: str, zero: int) -> bool:
+        # bf16/fp32 bases go through from_pretrained under zero.Init; quantized ones are streamed.
+        return zero == 3 and precision in ("8bit", "4bit")
     skips_overflow = False
 
     @staticmethod

@@ -32,6 +32,10 @@ log = logging.getLogger("lora_tune")
 class FSDPEngine:
     name = "fsdp"
     ZERO_STAGES = (0,)  # FSDP2 has no stages: it always shards weights, gradients and states
+
+    @staticmethod
+    def loads_layer_by_layer(precision: str, zero: int) -> bool:
+        return True
     skips_overflow = False
 
     @staticmethod

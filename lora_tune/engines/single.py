@@ -19,6 +19,10 @@ class SingleDeviceEngine:
     ZERO_STAGES = (0,)
 
     @staticmethod
+    def loads_layer_by_layer(precision: str, zero: int) -> bool:
+        return False  # from_pretrained, whole
+
+    @staticmethod
     def refusal(precision: str, zero: int, offload: str) -> str | None:
         if offload != "none":
             return "--offload needs a sharding backend: --zero 1|2|3 (DeepSpeed) or --backend fsdp"
