@@ -514,8 +514,9 @@ def quantization_note(arch: Architecture, precision: str) -> str | None:
     """bitsandbytes quantizes linear layers only: say how much of the model stays in bf16."""
     fused = sum(math.prod(shape) for _, shape in arch.tensors if len(shape) == 3)
     if precision in ("8bit", "4bit") and fused:
-        return (f"note: {precision} quantizes linear layers only; this model's fused MoE expert tensors ({fused / 1e9:.2f}B of "
-                f"{arch.total_params() / 1e9:.2f}B parameters) stay in bf16, and the figures above count them so")
+        count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"  # noqa: E731
+        return (f"note: {precision} quantizes linear layers only; this model's fused MoE expert tensors ({count(fused)} of "
+                f"{count(arch.total_params())} parameters) stay in bf16, and the figures above count them so")
     return None
 
 
