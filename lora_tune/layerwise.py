@@ -126,8 +126,14 @@ def _quantized_linears(model, precision: str, quant_storage: torch.dtype | None,
 
     from lora_tune.int8_sharded import ShardableLinear8bit
 
+    from transformers.pytorch_utils import Conv1D
+
     for _, layer in decoder_layers(model):
         for name, child in list(layer.named_modules()):
+            if isinstance(child, Conv1D):
+                # transformers transposes these into bitsandbytes layers while loading; streamed
+                # here they would stay unquantized, so they are not streamed at all.
+                raise NotStreamable(f"{type(layer).__name__} has GPT-2-style Conv1D layers, which are quantized only by transformers' whole-model loading")
             if type(child) is not torch.nn.Linear:
                 continue
             parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer

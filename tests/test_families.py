@@ -175,3 +175,12 @@ def test_targets_outside_the_model_are_refused_per_family(family_dir):
     config = load_config(str(family_dir["gpt2"]))
     with pytest.raises(UserError, match="q_proj is not a linear layer .* choose from: c_attn c_fc c_proj"):
         resolve_targets(meta_model(config), SimpleNamespace(target_modules=["q_proj"], dropout=0.0, dora=False))
+
+
+def test_quantized_conv1d_models_are_not_streamed_unquantized(family_dir, alpaca, tmp_path, capfd):
+    """Layer-by-layer loading swaps nn.Linear for bitsandbytes layers; GPT-2's Conv1D would stay
+    full precision, silently: refused with the way out instead (by the launched rank: capfd)."""
+    code, _, err = run_cli(fast_train_args(family_dir["gpt2"], alpaca, tmp_path / "o", backend="fsdp", precision="4bit", max_steps=1), capfd)
+    assert code == 2
+    assert single_error_line(err) == (f"error: --backend fsdp: {family_dir['gpt2']} can't be loaded layer by layer (GPT2Block has GPT-2-style Conv1D layers, "
+                                      "which are quantized only by transformers' whole-model loading); use --zero 3 with --precision bf16, or --zero 2")

@@ -86,7 +86,7 @@ class FSDPEngine:
             skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True,
                                                         attn_implementation=attention)
         except layerwise.NotStreamable as e:
-            raise UserError(f"--backend fsdp: {base_path} can't be loaded layer by layer ({e}); use --zero 3") from None
+            raise UserError(f"--backend fsdp: {base_path} can't be loaded layer by layer ({e}); use --zero 3 with --precision bf16, or --zero 2") from None
         model = add_adapter(skeleton)
         policies = self._policies()
         seed = model.peft_model.lora_tune_seed
