@@ -103,6 +103,7 @@ def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 90
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    (folder / "master_port").write_text(str(port))  # for tests that look at what the job left behind
     worker = Path(__file__).resolve().parent / "distributed_jobs.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}", str(worker), str(jobs_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "LOCAL_SIZE": str(nproc)})

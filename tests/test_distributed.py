@@ -199,6 +199,16 @@ def test_zero2_evaluates_on_every_rank_and_rank0_alone_writes_metrics(jobs):
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4]
 
 
+def test_deepspeeds_shared_memory_buffers_are_not_left_in_ram(jobs):
+    """DeepSpeed's CPU backend leaves a 66 MB /dev/shm buffer per rank behind after every job
+    unless each rank unlinks its own once its peers have mapped it."""
+    import glob
+
+    port = (jobs["root"] / "master_port").read_text()
+    assert jobs["runs"]["deepspeed-bf16-zero2-none"][0] == 0
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
+
+
 def test_matrix_refuses_what_it_does_not_run():
     cells = set(supported_cells())
     assert Cell("deepspeed", "fp16", 2, "none") not in cells

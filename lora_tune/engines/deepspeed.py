@@ -27,6 +27,22 @@ from lora_tune.model_loading import attention_implementation, load_base_model, l
 log = logging.getLogger("lora_tune")
 
 
+def unlink_shared_allreduce_buffer() -> None:
+    """DeepSpeed's CPU backend maps a 66 MB shared-memory buffer per rank
+    (/dev/shm/deepspeed_allreduce_buffer_<uid>_<addr>_<port>_<rank>) and never unlinks it: every job
+    would leave its buffers in RAM until reboot. Once every rank has mapped its peers' (done by the
+    time init_distributed returns everywhere: the barrier), each removes its own name; the mappings
+    live on until the processes exit, also when one is killed."""
+    import os
+
+    torch.distributed.barrier()
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}"
+    try:
+        os.unlink(name)
+    except FileNotFoundError:
+        pass  # a DeepSpeed build without the shared-memory op
+
+
 class DeepSpeedEngine:
     name = "deepspeed"
     ZERO_STAGES = (1, 2, 3)
@@ -61,6 +77,8 @@ class DeepSpeedEngine:
         self.cfg = cfg
         self.device = device
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        if device.type == "cpu":
+            unlink_shared_allreduce_buffer()
         self.config = deepspeed_config(cfg)
         self.zero3 = cfg.zero == 3
 
