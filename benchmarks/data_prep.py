@@ -21,12 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PEAK = """
-def peak():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-"""
+from peak_rss import PEAK  # benchmarks/ is on sys.path: these run as scripts
 
 # What lora-tune did before: load with datasets, then tokenize row by row into Python lists.
 PER_ROW = PEAK + r"""

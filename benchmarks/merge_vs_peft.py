@@ -21,13 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# VmHWM is the peak RSS of this process image; ru_maxrss would carry over the parent's peak
-# across fork + exec, and the parent here has just built the model.
-PEAK = """def peak():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-"""
+from peak_rss import PEAK  # benchmarks/ is on sys.path: these run as scripts
 
 USUAL = r"""
 import sys, time, torch

@@ -32,12 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PEAK = """
-def peak():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-"""
+from peak_rss import PEAK  # benchmarks/ is on sys.path: these run as scripts
 
 # The data the HF and TRL routes train on: the Stanford prompt rendered once, here, so all routes
 # see the same text (lora-tune renders the same template from the alpaca columns itself).

@@ -380,14 +380,8 @@ def relative_speed(setup: Setup) -> float:
 def candidates(base: Setup, arch: Architecture):
     """Setups `train` runs (the backends' compatibility cells, and for this model), so the
     recommended command is exact."""
-    cells = []
-    for c in engines.supported_cells():
-        if c.precision in ("bf16", "8bit", "4bit"):
-            try:
-                engines.check_layer_by_layer(c, arch.model_type)
-                cells.append(c)
-            except UserError:
-                pass
+    cells = [c for c in engines.supported_cells()
+             if c.precision in ("bf16", "8bit", "4bit") and engines.layer_by_layer_refusal(c, arch.model_type) is None]
     for cell in cells:
         if base.world > 1 and cell.backend == "single":
             continue  # one process can't use several GPUs
@@ -510,14 +504,20 @@ class Plan:
         return {**out, "recommended": self.recommended} if self.auto else out
 
 
-def quantization_note(arch: Architecture, precision: str) -> str | None:
-    """bitsandbytes quantizes linear layers only: say how much of the model stays in bf16."""
-    fused = sum(math.prod(shape) for _, shape in arch.tensors if len(shape) == 3)
+def unquantized_experts(precision: str, fused: int, total: int) -> str | None:
+    """bitsandbytes quantizes linear layers only: how much of the model (`fused` of `total`
+    parameters in 3-D expert tensors) stays in bf16 under 8/4-bit. Said by `train` and `plan`."""
     if precision in ("8bit", "4bit") and fused:
         count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"  # noqa: E731
-        return (f"note: {precision} quantizes linear layers only; this model's fused MoE expert tensors ({count(fused)} of "
-                f"{count(arch.total_params())} parameters) stay in bf16, and the figures above count them so")
+        return (f"{precision}: bitsandbytes quantizes linear layers only; this model's fused MoE expert tensors "
+                f"({count(fused)} of {count(total)} parameters) stay in bf16")
     return None
+
+
+def quantization_note(arch: Architecture, precision: str) -> str | None:
+    fused = sum(math.prod(shape) for _, shape in arch.tensors if len(shape) == 3)
+    note = unquantized_experts(precision, fused, arch.total_params())
+    return f"note: {note}, and the figures above count them so" if note else None
 
 
 def compute(cfg) -> Plan:

@@ -188,17 +188,17 @@ class Recipe:
     def lora_targets(self, config) -> Targets | None:
         """--target-modules resolved on a meta skeleton of the model (shapes only, no weights), so a
         bad name or an unsupported combination fails before loading; what is adapted is logged."""
-        engines.check_layer_by_layer(self.cfg, config.model_type)
         if model_class(config) is None:
             return None  # remote code: resolved on the loaded model
         skeleton = meta_model(config)
         targets = resolve_targets(skeleton, self.cfg)
         log.info("LoRA targets: %s", targets.describe(skeleton))
+        from lora_tune.planner import unquantized_experts
+
         fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
-        if self.cfg.precision in ("8bit", "4bit") and fused:
-            total = sum(p.numel() for p in skeleton.parameters())
-            log.warning("%s: bitsandbytes quantizes linear layers only; this model's fused MoE expert tensors (%s of %s parameters) stay in bf16",
-                        self.cfg.precision, f"{fused:,}", f"{total:,}")
+        note = unquantized_experts(self.cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
+        if note:
+            log.warning(note)
         return targets
 
     def check_speed_levers(self) -> None:
@@ -206,6 +206,7 @@ class Recipe:
         this model and machine from its config alone; what can't apply says so in one line."""
         cfg = self.cfg
         config = load_config(self.base_path, cfg.trust_remote_code)
+        engines.check_layer_by_layer(cfg, config.model_type)
         self.targets = self.lora_targets(config)
         attention = attention_implementation(cfg.attn_implementation, config, self.device)
         self.packing = cfg.packing

@@ -124,17 +124,25 @@ def refusal(backend: str, precision: str, zero: int, offload: str) -> str | None
     return backend_class(backend).refusal(precision, zero, offload)
 
 
-def check_layer_by_layer(cfg, model_type: str) -> None:
-    """Cells that stream the base layer by layer read each tensor under the model's own name; a
-    family whose checkpoints transformers converts on load (Mixtral's per-expert tensors fused into
-    one, renamed routers) can't be read that way: refused before anything is loaded."""
+def layer_by_layer_refusal(cfg, model_type: str) -> str | None:
+    """Why this cell can't run this model family, or None. Cells that stream the base layer by layer
+    read each tensor under the model's own name; a family whose checkpoints transformers converts on
+    load (Mixtral's per-expert tensors fused into one, renamed routers) can't be read that way."""
     from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
     name = backend_name(cfg)
     if backend_class(name).loads_layer_by_layer(cfg.precision, cfg.zero) and get_checkpoint_conversion_mapping(model_type):
         cell = Cell(name, cfg.precision, cfg.zero, cfg.offload)
         fix = "use --zero 3 with --precision bf16 (zero.Init through from_pretrained)" if name == "fsdp" else "use --precision bf16 with --zero 3, or --zero 2"
-        raise UserError(f"{cell.flags()}: loads the base layer by layer, which {model_type} checkpoints don't allow (transformers converts their tensors on load); {fix}")
+        return f"{cell.flags()}: loads the base layer by layer, which {model_type} checkpoints don't allow (transformers converts their tensors on load); {fix}"
+    return None
+
+
+def check_layer_by_layer(cfg, model_type: str) -> None:
+    """layer_by_layer_refusal as the one-line error, before anything is loaded."""
+    reason = layer_by_layer_refusal(cfg, model_type)
+    if reason:
+        raise UserError(reason)
 
 
 def all_cells() -> list[Cell]:
