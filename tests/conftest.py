@@ -19,6 +19,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora-tune-tests-datasets-"))
 
 
+def pytest_configure(config):
+    # datasets gives its logger a handler bound to whatever sys.stderr is the first time it logs;
+    # if that happens inside a test's capsys, later tests log into a closed stream ("--- Logging
+    # error ---" in their stderr). Bind it now, to the session's stream.
+    import datasets.utils.logging
+
+    datasets.utils.logging.get_logger("datasets")
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from lora_tune.tiny_model import build_tiny_llama
