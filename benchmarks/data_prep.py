@@ -21,15 +21,19 @@ import tempfile
 import time
 from pathlib import Path
 
-from peak_rss import PEAK  # benchmarks/ is on sys.path: these run as scripts
+from commands import train_argv  # benchmarks/ is on sys.path: these run as scripts
+from peak_rss import PEAK
 
 # What lora-tune did before: load with datasets, then tokenize row by row into Python lists.
-PER_ROW = PEAK + r"""
+PER_ROW = (
+    PEAK
+    + r"""
 import sys, time, json
 t = time.perf_counter()
 import datasets
 from transformers import AutoTokenizer
-from lora_tune.data import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
+from lora_tune.data.formats.alpaca import NO_INPUT as ALPACA_NO_INPUT
+from lora_tune.data.formats.alpaca import WITH_INPUT as ALPACA_WITH_INPUT
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 records = datasets.load_dataset("json", data_files=sys.argv[2], split="train", cache_dir=sys.argv[3])
 samples = []
@@ -41,8 +45,11 @@ for r in records:
     samples.append((ids, ([-100] * len(p) + a)[:2048]))
 print("RESULT", json.dumps({"seconds": time.perf_counter() - t, "peak": peak(), "samples": len(samples)}))
 """
+)
 
-OURS = PEAK + r"""
+OURS = (
+    PEAK
+    + r"""
 import sys, time, json
 t = time.perf_counter()
 from lora_tune.config import TrainConfig
@@ -54,15 +61,18 @@ imported = time.perf_counter()  # what follows is the data stage itself (imports
 prepared = prepare_data(cfg, tokenizer)
 print("RESULT", json.dumps({"seconds": time.perf_counter() - t, "stage": time.perf_counter() - imported, "peak": peak(), "samples": len(prepared.train)}))
 """
+)
 
-WORDS = ("the of and to in is that for it as with was on be by this are from at or an have not which one their they all "
-         "model data train loss token layer weight memory speed batch sample text answer question value result number").split()
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an have not which one their they all "
+    "model data train loss token layer weight memory speed batch sample text answer question value result number"
+).split()
 
 
 def write_rows(path: Path, n: int) -> None:
     rng = random.Random(n)
     with open(path, "w") as f:
-        for i in range(n):
+        for _i in range(n):
             total = min(700, max(8, int(rng.lognormvariate(math.log(60), 0.9))))
             words = [rng.choice(WORDS) for _ in range(total)]
             k = max(3, total // 3)
@@ -72,7 +82,7 @@ def write_rows(path: Path, n: int) -> None:
 def run(script: str, *args) -> dict:
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], capture_output=True, text=True)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((row for row in proc.stdout.splitlines() if row.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(proc.stderr[-3000:])
     return {**json.loads(line.removeprefix("RESULT ")), "wall": time.perf_counter() - t}
@@ -80,8 +90,7 @@ def run(script: str, *args) -> dict:
 
 def training_peak(base: Path, data: Path, cache: Path, out: Path) -> float:
     """Peak RSS (MiB) of a one-step `lora-tune train` over the data (its cache already built)."""
-    cmd = [sys.executable, "-m", "lora_tune", "train", "--base", str(base), "--data", str(data), "--output-dir", str(out), "--max-steps", "1",
-           "--precision", "fp32", "--rank", "4", "--max-seq-len", "2048", "--data-cache-dir", str(cache)]
+    cmd = train_argv(base, data, out, max_steps=1, precision="fp32", rank=4, max_seq_len=2048, data_cache_dir=cache)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])
@@ -99,7 +108,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     base = work / "tiny" if (work / "tiny" / "config.json").exists() else build_tiny_llama(work / "tiny")
     print("Whole-process wall times; 'stage' = the data stage alone, after imports and the tokenizer (which any run pays).")
-    print("| rows | per-row approach s | its peak RSS MiB | lora-tune first run s (stage) | cached run s (stage) | its peak RSS MiB | first / per-row | cached / first (stages) | training peak RSS MiB |")
+    print(
+        "| rows | per-row approach s | its peak RSS MiB | lora-tune first run s (stage) | cached run s (stage) | its peak RSS "
+        "MiB | first / per-row | cached / first (stages) | training peak RSS MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for n in args.sizes:
         data = work / f"rows-{n}.jsonl"
@@ -112,8 +124,13 @@ def main() -> None:
         cached = run(OURS, base, data, cache)
         peak = training_peak(base, data, cache, work / f"train-{n}")
         subprocess.run(["rm", "-rf", str(work / f"train-{n}")])
-        print(f"| {n:,} | {before['wall']:.1f} | {before['peak'] / 2**20:,.0f} | {first['wall']:.1f} ({first['stage']:.1f}) | {cached['wall']:.1f} ({cached['stage']:.1f}) "
-              f"| {first['peak'] / 2**20:,.0f} | {first['wall'] / before['wall']:.2f} | {cached['wall'] / first['wall']:.2f} ({cached['stage'] / first['stage']:.2f}) | {peak:,.0f} |", flush=True)
+        print(
+            f"| {n:,} | {before['wall']:.1f} | {before['peak'] / 2**20:,.0f} | {first['wall']:.1f} ({first['stage']:.1f}) | "
+            f"{cached['wall']:.1f} ({cached['stage']:.1f}) "
+            f"| {first['peak'] / 2**20:,.0f} | {first['wall'] / before['wall']:.2f} | {cached['wall'] / first['wall']:.2f} "
+            f"({cached['stage'] / first['stage']:.2f}) | {peak:,.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

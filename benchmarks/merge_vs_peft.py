@@ -59,11 +59,24 @@ def build(workdir: Path) -> tuple[Path, Path]:
     base, adapter = workdir / "base", workdir / "adapter"
     if (base / "model.safetensors.index.json").exists() and (adapter / "adapter_model.safetensors").exists():
         return base, adapter
-    config = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
     model.save_pretrained(base, max_shard_size="100MB")
-    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], init_lora_weights=False)
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        init_lora_weights=False,
+    )
     get_peft_model(model, lora).save_pretrained(adapter)
     return base, adapter
 
@@ -113,14 +126,21 @@ def main() -> None:
         wall, seconds, rss = run(code, base, adapter, out, *extra)
         results[name] = {"wall_seconds": wall, "script_seconds": seconds, "peak_rss_bytes": rss, "out": out}
     usual = results["usual"]
-    print(f"base: {size / 1e9:.2f} GB fp32 in {shards} shards; adapter rank 16, all linear; "
-          f"importing torch+transformers+peft alone: {import_rss / 2**30:.2f} GiB RSS, {import_wall:.1f} s")
-    print("wall s = the whole process as a user waits for it; script s = after the imports (the usual route imports transformers+peft before its timer, ours lazily inside)")
+    print(
+        f"base: {size / 1e9:.2f} GB fp32 in {shards} shards; adapter rank 16, all linear; "
+        f"importing torch+transformers+peft alone: {import_rss / 2**30:.2f} GiB RSS, {import_wall:.1f} s"
+    )
+    print(
+        "wall s = the whole process as a user waits for it; script s = after the imports (the usual route imports "
+        "transformers+peft before its timer, ours lazily inside)"
+    )
     print(f"{'route':<24} {'wall s':>7} {'script s':>9} {'peak RSS GiB':>13} {'RSS ratio':>10} {'wall ratio':>11} {'bit-identical':>14}")
     for name, r in results.items():
         same = "-" if name == "usual" else str(identical(usual["out"], r["out"]))
-        print(f"{name:<24} {r['wall_seconds']:>7.1f} {r['script_seconds']:>9.1f} {r['peak_rss_bytes'] / 2**30:>13.2f} "
-              f"{r['peak_rss_bytes'] / usual['peak_rss_bytes']:>10.2f} {r['wall_seconds'] / usual['wall_seconds']:>11.2f} {same:>14}")
+        print(
+            f"{name:<24} {r['wall_seconds']:>7.1f} {r['script_seconds']:>9.1f} {r['peak_rss_bytes'] / 2**30:>13.2f} "
+            f"{r['peak_rss_bytes'] / usual['peak_rss_bytes']:>10.2f} {r['wall_seconds'] / usual['wall_seconds']:>11.2f} {same:>14}"
+        )
     summary = {name: {k: v for k, v in r.items() if k != "out"} for name, r in results.items()}
     summary["base_bytes"], summary["import_rss_bytes"] = size, import_rss
     print(json.dumps(summary))

@@ -22,18 +22,31 @@ from pathlib import Path
 
 import torch
 
-from lora_tune import planner as plan
 from lora_tune.adapter import add_lora
-from lora_tune.config import TrainConfig
 from lora_tune.batching import collate
+from lora_tune.config import TrainConfig
 from lora_tune.data import Sample
-from lora_tune.loss import CausalLMLoss
 from lora_tune.engines.single import SingleDeviceEngine
+from lora_tune.loss import CausalLMLoss
 from lora_tune.model_loading import load_base_model
+from lora_tune.planner import architecture
+from lora_tune.planner import memory as plan
 
-LLAMA3_8B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-             "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+LLAMA3_8B = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 
 
 def random_model(folder: Path, config: dict) -> Path:
@@ -42,7 +55,9 @@ def random_model(folder: Path, config: dict) -> Path:
     if (folder / "config.json").exists():
         return folder
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})).to(torch.bfloat16)
+        model = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures")})).to(
+            torch.bfloat16
+        )
     model.save_pretrained(folder, max_shard_size="5GB")
     del model
     gc.collect()
@@ -52,8 +67,17 @@ def random_model(folder: Path, config: dict) -> Path:
 
 def one_run(base: Path, precision: str, checkpointing: bool, seq: int) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cfg = TrainConfig(base=str(base), data="d", output_dir="o", precision=precision, rank=16, max_seq_len=seq, micro_batch_size=1,
-                      gradient_checkpointing=checkpointing, dropout=0.0)
+    cfg = TrainConfig(
+        base=str(base),
+        data="d",
+        output_dir="o",
+        precision=precision,
+        rank=16,
+        max_seq_len=seq,
+        micro_batch_size=1,
+        gradient_checkpointing=checkpointing,
+        dropout=0.0,
+    )
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -73,10 +97,15 @@ def one_run(base: Path, precision: str, checkpointing: bool, seq: int) -> dict:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         engine.forward_backward(batch, seq - 1)
     engine.step()
-    estimate = plan.estimate(plan.load_architecture(str(base)), plan.setup_from(cfg))
-    result = {"precision": precision, "checkpointing": checkpointing, "seq": seq,
-              "plan_total_bytes": estimate.per_device["total_bytes"], "plan_saved_bytes": estimate.saved_activations_bytes,
-              "measured_saved_bytes_upper": saved}
+    estimate = plan.estimate(architecture.load_architecture(str(base)), plan.setup_from(cfg))
+    result = {
+        "precision": precision,
+        "checkpointing": checkpointing,
+        "seq": seq,
+        "plan_total_bytes": estimate.per_device["total_bytes"],
+        "plan_saved_bytes": estimate.saved_activations_bytes,
+        "measured_saved_bytes_upper": saved,
+    }
     if device.type == "cuda":
         measured = torch.cuda.max_memory_allocated(device)
         planned = estimate.per_device["total_bytes"] - plan.CUDA_CONTEXT
@@ -100,7 +129,12 @@ def main() -> None:
         base, seq, precisions = random_model(work / "llama3-8b-random", LLAMA3_8B), 2048, ["bf16", "8bit", "4bit"]
     rows = [one_run(base, p, ckpt, seq) for p in precisions for ckpt in (False, True)]
     for r in rows:
-        tail = f" measured peak {r['measured_peak_bytes'] / 2**30:.2f} GiB, plan {r['plan_minus_context_bytes'] / 2**30:.2f} GiB, ratio {r['ratio']:.3f}" if "ratio" in r else ""
+        tail = (
+            f" measured peak {r['measured_peak_bytes'] / 2**30:.2f} GiB, plan {r['plan_minus_context_bytes'] / 2**30:.2f} GiB, "
+            f"ratio {r['ratio']:.3f}"
+            if "ratio" in r
+            else ""
+        )
         print(f"{r['precision']:>5} ckpt={r['checkpointing']!s:<5} plan total {r['plan_total_bytes'] / 2**30:.3f} GiB{tail}")
     if not args.tiny:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,10 @@ import argparse
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from commands import train_argv  # benchmarks/ is on sys.path: these run as scripts
 
 ROUTES = [
     ("8bit, whole per rank (ZeRO-2)", ["--precision", "8bit", "--zero", "2"]),
@@ -43,9 +44,21 @@ def build_model(folder: Path, tiny: bool) -> Path:
     if (folder / "config.json").exists():
         return folder
     tokenizer = train_tiny_tokenizer()
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2) if tiny else dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16)
-    config = LlamaConfig(vocab_size=32000, num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape)
+    shape = (
+        dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+        if tiny
+        else dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16)
+    )
+    config = LlamaConfig(
+        vocab_size=32000,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **shape,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="200MB")
@@ -58,8 +71,7 @@ def run_route(base: Path, data: Path, out: Path, flags: list[str]) -> dict:
     zero_config = out.parent / "no-persistence.json"
     zero_config.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
     extra = ["--zero-config", str(zero_config)] if "3" in flags and "--zero" in flags else []
-    cmd = [sys.executable, "-m", "lora_tune", "train", "--base", str(base), "--data", str(data), "--output-dir", str(out),
-           "--max-steps", "1", "--max-seq-len", "64", "--rank", "8", "--optim", "adamw", "--nproc", "2", *flags, *extra]
+    cmd = train_argv(base, data, out, *flags, *extra, max_steps=1, max_seq_len=64, rank=8, optim="adamw", nproc=2)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-3000:])

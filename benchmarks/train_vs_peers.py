@@ -36,13 +36,17 @@ from peak_rss import PEAK  # benchmarks/ is on sys.path: these run as scripts
 
 # The data the HF and TRL routes train on: the Stanford prompt rendered once, here, so all routes
 # see the same text (lora-tune renders the same template from the alpaca columns itself).
-COMMON = PEAK + r"""
+COMMON = (
+    PEAK
+    + r"""
 import json, sys, time
-from lora_tune.data import ALPACA_NO_INPUT, ALPACA_WITH_INPUT
+from lora_tune.data.formats.alpaca import NO_INPUT as ALPACA_NO_INPUT
+from lora_tune.data.formats.alpaca import WITH_INPUT as ALPACA_WITH_INPUT
 rows = [json.loads(line) for line in open(sys.argv[2])]
 def prompt(r):
     return (ALPACA_WITH_INPUT if r["input"] else ALPACA_NO_INPUT).format(instruction=r["instruction"], input=r["input"])
 """
+)
 
 PEER_MODEL = r"""
 import torch
@@ -69,7 +73,10 @@ def device_peak():
     return torch.cuda.max_memory_allocated() if cuda else None
 """
 
-HF_TRAINER = COMMON + PEER_MODEL + r"""
+HF_TRAINER = (
+    COMMON
+    + PEER_MODEL
+    + r"""
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import AutoTokenizer, DataCollatorForSeq2Seq, Trainer, TrainingArguments
@@ -91,8 +98,12 @@ steps = trainer.state.global_step
 tokens = sum(len(x) for x in data["input_ids"][: steps * cfg["micro_batch_size"]]) if cfg["max_steps"] else sum(len(x) for x in data["input_ids"])
 print("RESULT", json.dumps({"train_seconds": seconds, "tokens": tokens, "peak": peak(), "device_peak": device_peak(), "losses": losses}))
 """
+)
 
-TRL_SFT = COMMON + PEER_MODEL + r"""
+TRL_SFT = (
+    COMMON
+    + PEER_MODEL
+    + r"""
 from datasets import Dataset
 from peft import LoraConfig
 from trl import SFTConfig, SFTTrainer
@@ -112,8 +123,11 @@ tokens = sum(len(x) for x in rows_done)
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 print("RESULT", json.dumps({"train_seconds": seconds, "tokens": tokens, "peak": peak(), "device_peak": device_peak(), "losses": losses}))
 """
+)
 
-LORA_TUNE = PEAK + r"""
+LORA_TUNE = (
+    PEAK
+    + r"""
 import json, sys, time
 from lora_tune.cli import main
 cfg = json.loads(sys.argv[3])
@@ -132,11 +146,18 @@ device_peak = max(r["peak_memory_bytes"] for r in steps) if torch.cuda.is_availa
 print("RESULT", json.dumps({"train_seconds": train_seconds, "tokens": steps[-1]["tokens_seen"], "peak": peak(), "device_peak": device_peak,
                             "losses": [r["loss"] for r in steps]}))
 """
+)
 
-ROUTES = {"lora-tune train (defaults)": LORA_TUNE, "HF Trainer + PEFT (padded)": HF_TRAINER, "TRL SFTTrainer (packing, padding-free)": TRL_SFT}
+ROUTES = {
+    "lora-tune train (defaults)": LORA_TUNE,
+    "HF Trainer + PEFT (padded)": HF_TRAINER,
+    "TRL SFTTrainer (packing, padding-free)": TRL_SFT,
+}
 
-WORDS = ("the of and to in is that for it as with was on be by this are from at or an have not which one their they all "
-         "model data train loss token layer weight memory speed batch sample text answer question value result number").split()
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an have not which one their they all "
+    "model data train loss token layer weight memory speed batch sample text answer question value result number"
+).split()
 
 
 def long_tail_rows(n: int, seed: int, equal_length: bool) -> list[dict]:
@@ -158,9 +179,18 @@ def long_tail_rows(n: int, seed: int, equal_length: bool) -> list[dict]:
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=4000, num_attention_heads=8, num_key_value_heads=4),
-    "cpu": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, vocab_size=32000, num_attention_heads=8, num_key_value_heads=4),
-    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, vocab_size=128256, num_attention_heads=32, num_key_value_heads=8,
-               rope_theta=500000.0),
+    "cpu": dict(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=4, vocab_size=32000, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        vocab_size=128256,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -174,15 +204,25 @@ def build_model(folder: Path, shape: str, corpus: list[str]) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<pad>", "<s>", "</s>"],
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=2000,
+            special_tokens=["<pad>", "<s>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with torch.device(device):  # random weights, built where they are fast to make
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                             max_position_embeddings=16384, **SHAPES[shape]))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=16384, **SHAPES[shape]
+            )
+        )
     model.to(torch.bfloat16 if shape == "8b" else torch.float32).save_pretrained(folder)
     del model
     fast.save_pretrained(folder)
@@ -193,7 +233,7 @@ def run_route(script: str, base: Path, data: Path, cfg: dict, out: Path) -> dict
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", script, str(base), str(data), json.dumps(cfg), str(out)], capture_output=True, text=True)
     wall = time.perf_counter() - t
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    line = next((row for row in proc.stdout.splitlines() if row.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
         raise SystemExit(f"route failed:\n{proc.stderr[-4000:]}")
     result = json.loads(line.removeprefix("RESULT "))
@@ -225,8 +265,9 @@ def main() -> None:
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
     parser.add_argument("--json", default=None, help="append the results to this JSON-lines file")
     args = parser.parse_args()
-    from lora_tune import planner as plan
     from lora_tune.config import TrainConfig
+    from lora_tune.planner import architecture
+    from lora_tune.planner import memory as plan
 
     shape = args.shape or ("tiny" if args.tiny else "cpu")
     seq = args.seq or (256 if args.tiny else 1024)
@@ -237,8 +278,14 @@ def main() -> None:
     data = work / ("equal.jsonl" if args.equal_length else "long_tail.jsonl")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = build_model(work / f"model-{shape}", shape, [" ".join(r.values()) for r in rows])
-    cfg = {"micro_batch_size": args.micro_batch, "max_seq_len": seq, "seed": 42, "dropout": TrainConfig.model_fields["dropout"].default,
-           "precision": args.precision, "max_steps": args.max_steps}
+    cfg = {
+        "micro_batch_size": args.micro_batch,
+        "max_seq_len": seq,
+        "seed": 42,
+        "dropout": TrainConfig.model_fields["dropout"].default,
+        "precision": args.precision,
+        "max_steps": args.max_steps,
+    }
     results = {}
     for name in args.routes:
         out = work / name.split()[0].replace("-", "_")
@@ -247,12 +294,17 @@ def main() -> None:
 
             shutil.rmtree(out)
         results[name] = run_route(ROUTES[name], base, data, cfg, out)
-    print(f"{n} {'equal-length' if args.equal_length else 'long-tail'} alpaca samples, Llama-shaped ({shape}) {args.precision} model, LoRA r16 "
-          f"all-linear, dropout {cfg['dropout']}, checkpointing, micro-batch {cfg['micro_batch_size']} x {seq} tokens; "
-          + (f"{args.max_steps} steps" if args.max_steps else "one epoch"))
+    print(
+        f"{n} {'equal-length' if args.equal_length else 'long-tail'} alpaca samples, Llama-shaped ({shape}) {args.precision} "
+        "model, LoRA r16 "
+        f"all-linear, dropout {cfg['dropout']}, checkpointing, micro-batch {cfg['micro_batch_size']} x {seq} tokens; "
+        + (f"{args.max_steps} steps" if args.max_steps else "one epoch")
+    )
     config = json.loads((base / "config.json").read_text())
-    estimate = plan.estimate(plan.load_architecture(str(base)), plan.Setup(precision=args.precision, rank=16, micro_batch_size=args.micro_batch,
-                                                                          max_seq_len=seq, optim="adamw_8bit"))
+    estimate = plan.estimate(
+        architecture.load_architecture(str(base)),
+        plan.Setup(precision=args.precision, rank=16, micro_batch_size=args.micro_batch, max_seq_len=seq, optim="adamw_8bit"),
+    )
     on_gpu = any(r.get("device_peak") for r in results.values())
     print("| route | wall s | real tokens/s (training) | peak RSS MiB | final loss |" + (" peak GPU GiB | MFU |" if on_gpu else ""))
     print("|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))
@@ -269,16 +321,33 @@ def main() -> None:
         for name, r in results.items():
             if r is ours:
                 continue
-            print(f"vs {name}: speed {r['train_seconds'] / ours['train_seconds']:.2f}x (training), {r['wall'] / ours['wall']:.2f}x (whole process); "
-                  f"peak RSS {ours['peak'] / r['peak']:.2f}x" + (f"; peak GPU memory {ours['device_peak'] / r['device_peak']:.2f}x" if on_gpu else ""))
+            print(
+                f"vs {name}: speed {r['train_seconds'] / ours['train_seconds']:.2f}x (training), "
+                f"{r['wall'] / ours['wall']:.2f}x (whole process); "
+                f"peak RSS {ours['peak'] / r['peak']:.2f}x"
+                + (f"; peak GPU memory {ours['device_peak'] / r['device_peak']:.2f}x" if on_gpu else "")
+            )
         if on_gpu:
             planned = estimate.per_device["total_bytes"] - plan.CUDA_CONTEXT
-            print(f"plan vs measured (lora-tune): planned {planned / 2**30:.2f} GiB, measured {ours['device_peak'] / 2**30:.2f} GiB, "
-                  f"ratio {planned / ours['device_peak']:.2f}")
+            print(
+                f"plan vs measured (lora-tune): planned {planned / 2**30:.2f} GiB, measured {ours['device_peak'] / 2**30:.2f} GiB, "
+                f"ratio {planned / ours['device_peak']:.2f}"
+            )
     if args.json:
         with open(args.json, "a") as f:
-            f.write(json.dumps({"shape": shape, "precision": args.precision, "seq": seq, "micro_batch": args.micro_batch, "results": results,
-                                "plan_total_bytes": estimate.per_device["total_bytes"]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "shape": shape,
+                        "precision": args.precision,
+                        "seq": seq,
+                        "micro_batch": args.micro_batch,
+                        "results": results,
+                        "plan_total_bytes": estimate.per_device["total_bytes"],
+                    }
+                )
+                + "\n"
+            )
 
 
 if __name__ == "__main__":

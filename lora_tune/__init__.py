@@ -11,7 +11,7 @@ __all__ = ["train", "plan", "merge", "load", "report", "UserError", "TrainResult
 
 def __getattr__(name: str):
     if name in ("train", "plan", "merge", "load", "report", "TrainResult"):
-        from lora_tune import api
+        from lora_tune import api  # noqa: PLC0415 - start-up time: `import lora_tune` stays light until a function is used
 
         return getattr(api, name)
     raise AttributeError(f"module 'lora_tune' has no attribute {name!r}")

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
 
+from lora_tune.checkpoint import fsync_path, write_safetensors
 from lora_tune.errors import UserError
-
 
 # Routers pick experts; adapting them changes which experts see a token, which LoRA recipes for MoE
 # models (Mixtral, Qwen-MoE) leave alone: out of the default, allowed by name.
@@ -17,8 +25,6 @@ ROUTERS = ("gate", "router", "shared_expert_gate")
 
 def meta_model(config):
     """The model of `config` on the meta device: every module and shape, no memory, no weights."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -30,8 +36,6 @@ def in_blocks(name: str) -> bool:
 
 def is_linear(module) -> bool:
     """nn.Linear (bitsandbytes' 8/4-bit layers subclass it) or GPT-2's Conv1D (a transposed linear)."""
-    from transformers.pytorch_utils import Conv1D
-
     return isinstance(module, (torch.nn.Linear, Conv1D))
 
 
@@ -52,7 +56,7 @@ class Targets:
 
     def describe(self, model) -> str:
         counts: dict[str, int] = {}
-        for name, module in model.named_modules():
+        for name, _module in model.named_modules():
             short = name.rsplit(".", 1)[-1]
             if short in self.modules and in_blocks(name):
                 counts[short] = counts.get(short, 0) + 1
@@ -73,7 +77,7 @@ class Inventory:
     routers: tuple[str, ...]
 
     @classmethod
-    def of(cls, model) -> "Inventory":
+    def of(cls, model) -> Inventory:
         linears = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m) and in_blocks(n)}
         experts = {block_path(n) for n, p in model.named_parameters() if p.dim() == 3 and in_blocks(n)}
         routers = {block_path(n) for n, m in model.named_modules() if in_blocks(n) and n.rsplit(".", 1)[-1] in ROUTERS and not is_linear(m)}
@@ -90,7 +94,9 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
     if not cfg.target_modules:
         names = [n for n in inv.linears if n not in ROUTERS]
         if not names:
-            raise UserError("--target-modules: no linear layers found inside the transformer blocks of this model; pass --target-modules explicitly")
+            raise UserError(
+                "--target-modules: no linear layers found inside the transformer blocks of this model; pass --target-modules explicitly"
+            )
         targets = Targets(tuple(names), inv.experts)
     else:
         modules, parameters = [], []
@@ -102,20 +108,25 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
             elif experts or routers:
                 parameters += experts + routers
             else:
-                choices = " ".join(list(inv.linears) + (["experts"] if inv.experts else []) + sorted({r.rsplit('.', 1)[-1] for r in inv.routers}))
+                choices = " ".join(
+                    list(inv.linears) + (["experts"] if inv.experts else []) + sorted({r.rsplit(".", 1)[-1] for r in inv.routers})
+                )
                 raise UserError(f"--target-modules: {name} is not a linear layer or expert tensor of this model; choose from: {choices}")
         targets = Targets(tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(parameters)))
     if targets.parameters and getattr(cfg, "dropout", 0):
-        raise UserError(f"--dropout {cfg.dropout}: LoRA on {', '.join(targets.parameters)} (fused expert/router tensors, peft's target_parameters) "
-                        "works only without dropout; pass --dropout 0, or leave them out with --target-modules " + " ".join(targets.modules))
+        raise UserError(
+            f"--dropout {cfg.dropout}: LoRA on {', '.join(targets.parameters)} (fused expert/router tensors, peft's target_parameters) "
+            "works only without dropout; pass --dropout 0, or leave them out with --target-modules " + " ".join(targets.modules)
+        )
     if targets.parameters and getattr(cfg, "dora", False):
-        raise UserError(f"--dora: peft has no DoRA for fused expert/router tensors ({', '.join(targets.parameters)}); leave out --dora or pass --target-modules " + " ".join(targets.modules))
+        raise UserError(
+            f"--dora: peft has no DoRA for fused expert/router tensors ({', '.join(targets.parameters)}); leave out --dora or "
+            "pass --target-modules " + " ".join(targets.modules)
+        )
     return targets
 
 
 def lora_config(cfg, targets: Targets):
-    from peft import LoraConfig
-
     return LoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.lora_alpha,
@@ -135,8 +146,6 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None):
     Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad. `targets`:
     resolved before loading (from a meta skeleton); else resolved on `model`.
     """
-    from peft import get_peft_model
-
     targets = targets or resolve_targets(model, cfg)
     if cfg.gradient_checkpointing:
         # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
@@ -169,8 +178,6 @@ def to_fp32(module) -> None:
 
 def lora_layers(module, prefix: str = ""):
     """(full name, layer) of every LoRA layer inside `module`."""
-    from peft.tuners.lora import LoraLayer
-
     for name, m in module.named_modules(prefix=prefix):
         if isinstance(m, LoraLayer):
             yield name, m
@@ -185,8 +192,6 @@ def init_lora_layer(layer, name: str, seed: int) -> None:
     norms) from a generator seeded by the run's seed and the layer's name. The same values come out
     whichever order or process initialises the layers, so every backend starts from the same adapter,
     also when the base is filled layer by layer after being sharded."""
-    import zlib
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
         layer.reset_lora_parameters("default", init_lora_weights=True)
@@ -208,8 +213,6 @@ def materialize_lora(unit, unit_name: str, seed: int, device: torch.device) -> N
 def trainable_state_dict(peft_model, state_dict: dict | None = None) -> dict[str, torch.Tensor]:
     """The adapter weights under peft's saved names (no '.default'), on CPU, contiguous; taken from
     `state_dict` when given (gathered from shards), else from the model."""
-    from peft import get_peft_model_state_dict
-
     state = get_peft_model_state_dict(peft_model, state_dict=state_dict)
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
@@ -233,11 +236,6 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     Each file is written to a temporary name and renamed, so a crash leaves the old file or the
     new one, never half of one.
     """
-    import os
-
-    from safetensors.torch import save_file
-
-    from lora_tune.checkpoint import fsync_path
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,7 +243,7 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     state = trainable_state_dict(peft_model) if state is None else state
     check_adapter_state(state, lora_cfg)
     tmp_weights = out / f".adapter_model.safetensors.tmp-{os.getpid()}"
-    save_file(state, str(tmp_weights), metadata={"format": "pt"})
+    write_safetensors(tmp_weights, state, metadata={"format": "pt"})
     fsync_path(tmp_weights)
     tmp_config_dir = out / f".adapter_config.tmp-{os.getpid()}"
     lora_cfg.save_pretrained(str(tmp_config_dir))
@@ -257,10 +255,6 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
 
 def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:
     """Load adapter weights saved by save_adapter back into an identically configured PeftModel."""
-    from peft import set_peft_model_state_dict
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(adapter_dir) / "adapter_model.safetensors"
     try:
         state = load_file(str(path))

@@ -7,11 +7,18 @@ the shapes of a 70B without touching the network; weights still come from the hu
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import socket
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlparse
+
+from huggingface_hub import constants, scan_cache_dir
 
 from lora_tune.errors import UserError, did_you_mean
+from lora_tune.tiny_model import build_tiny_llama, tiny_llama_config
 
 
 @dataclass(frozen=True)
@@ -44,8 +51,6 @@ ALIASES = {
 def architecture(alias: str) -> dict:
     """The shipped config.json of an alias (the tiny one is computed, not shipped)."""
     if alias == "tiny-llama":
-        from lora_tune.tiny_model import tiny_llama_config
-
         return tiny_llama_config(512).to_dict()
     text = resources.files("lora_tune.architectures").joinpath(f"{alias}.json").read_text()
     return json.loads(text)
@@ -53,10 +58,6 @@ def architecture(alias: str) -> dict:
 
 def tiny_llama_dir() -> Path:
     """Build the tiny demo model once per machine, in the user cache, and return its folder."""
-    import os
-    import shutil
-
-    from lora_tune.tiny_model import build_tiny_llama
 
     root = Path(os.environ.get("LORA_TUNE_CACHE", Path.home() / ".cache" / "lora_tune")) / "tiny-llama"
     if not (root / "model.safetensors").is_file():
@@ -87,12 +88,17 @@ def resolve_base(base: str) -> str:
     if looks_like_path(base):
         path = Path(base).expanduser()
         if not path.is_dir():
-            raise UserError(f"--base: directory {base} does not exist; give a model folder, a hub id (org/name) or an alias from `lora-tune models`")
+            raise UserError(
+                f"--base: directory {base} does not exist; give a model folder, a hub id (org/name) or an alias from `lora-tune models`"
+            )
         if not (path / "config.json").is_file():
             raise UserError(f"--base: {base} has no config.json; point it at a Hugging Face model folder")
         return str(path)
     if "/" not in base:
-        raise UserError(f"--base: unknown model alias '{base}'{did_you_mean(base, ALIASES)}; run `lora-tune models` for the list, or give a hub id (org/name) or a local directory")
+        raise UserError(
+            f"--base: unknown model alias '{base}'{did_you_mean(base, ALIASES)}; run `lora-tune models` for the list, or give "
+            "a hub id (org/name) or a local directory"
+        )
     check_hub_reachable(base, "--base")
     return base
 
@@ -100,11 +106,6 @@ def resolve_base(base: str) -> str:
 def check_hub_reachable(repo_id: str, option: str, repo_type: str = "model") -> None:
     """Fail in seconds, not after a minute of retries, when a hub id is neither in the local cache
     nor reachable (no network, or HF_HUB_OFFLINE)."""
-    import os
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, scan_cache_dir
 
     try:
         cached = any(r.repo_id == repo_id and r.repo_type == repo_type for r in scan_cache_dir(constants.HF_HUB_CACHE).repos)
@@ -114,9 +115,15 @@ def check_hub_reachable(repo_id: str, option: str, repo_type: str = "model") -> 
         return
     kind = "dataset" if repo_type == "dataset" else "model"
     if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE") == "1" and repo_type == "dataset":
-        raise UserError(f"{option}: the {kind} {repo_id} is not in the local Hugging Face cache and offline mode is on (HF_HUB_OFFLINE); download it first, or give a local folder")
+        raise UserError(
+            f"{option}: the {kind} {repo_id} is not in the local Hugging Face cache and offline mode is on (HF_HUB_OFFLINE); "
+            "download it first, or give a local folder"
+        )
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
     try:
         socket.create_connection((host, 443), timeout=3).close()
     except OSError:
-        raise UserError(f"{option}: the {kind} {repo_id} is not in the local Hugging Face cache and {host} can't be reached (no network?); download it where there is network, or give a local folder") from None
+        raise UserError(
+            f"{option}: the {kind} {repo_id} is not in the local Hugging Face cache and {host} can't be reached (no network?); "
+            "download it where there is network, or give a local folder"
+        ) from None

@@ -21,7 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_tune.errors import UserError
+from lora_tune.cli import quiet_libraries, setup_logging
+
+quiet_libraries()  # before the libraries below load (bitsandbytes speaks at import); verbose=True undoes it
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from lora_tune import distributed, engines, launcher, merger, planner, recipe, reporting  # noqa: E402
+from lora_tune.aliases import resolve_base  # noqa: E402
+from lora_tune.config import MergeConfig, PlanConfig, ReportConfig, TrainConfig, build_config, read_yaml  # noqa: E402
+from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
+from lora_tune.model_loading import WEIGHT_DTYPE  # noqa: E402
 
 
 @dataclass
@@ -35,8 +47,6 @@ class TrainResult:
 
 
 def _config(schema, config, options: dict[str, Any]):
-    from lora_tune.config import build_config, read_yaml
-
     if config is None:
         values, source = {}, "options"
     elif isinstance(config, dict):
@@ -47,44 +57,30 @@ def _config(schema, config, options: dict[str, Any]):
 
 
 def _quiet(cfg) -> None:
-    from lora_tune.cli import quiet_libraries, setup_logging
-
     setup_logging()
-    if not cfg.verbose:
-        quiet_libraries()
+    quiet_libraries(not cfg.verbose)
 
 
 def train(config: str | Path | dict | None = None, callback=None, **options) -> TrainResult:
     """Train a LoRA adapter (`lora-tune train`). `callback(record)` gets every metrics record as it
     is written (e.g. `lora_tune.notebook.LivePlot()`; runs in this process only). With `nproc` (or a
     sharding backend) the ranks run as child processes, as on the command line. Raises UserError for
-    bad input and `lora_tune.recipe.TrainingStopped` when the run stops early (signal, repeated NaN,
+    bad input and `lora_tune.errors.TrainingStopped` when the run stops early (signal, repeated NaN,
     full disk), after it saved what it could."""
-    from lora_tune import checkpoint as ckpt
-    from lora_tune import distributed, engines
-    from lora_tune.config import TrainConfig
-    from lora_tune.recipe import Recipe, TrainingStopped, run
-
     cfg = _config(TrainConfig, config, options)
     _quiet(cfg)
-    if (cfg.nproc or engines.backend_name(cfg) != "single") and not distributed.launched():
-        Recipe(cfg).check_inputs()
+    if (cfg.nproc or engines.spec_of(cfg).multi_process) and not distributed.launched():
+        # The ranks are `lora-tune train --config FILE` processes: the resolved options, in a file.
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-            import yaml
-
             yaml.safe_dump({k: v for k, v in cfg.model_dump().items() if k != "nproc"}, f)
-        lock = ckpt.OutputLock(Path(cfg.output_dir).expanduser()).acquire()
-        os.environ[ckpt.LOCK_ENV] = str(lock.path.resolve())
         try:
-            code = distributed.launch(["train", "--config", f.name], cfg.nproc or 1, cfg.output_dir, f"lora_tune.train(..., resume=True)")
+            code = launcher.launch_job(cfg, ["train", "--config", f.name], "lora_tune.train(..., resume=True)")
         finally:
-            lock.release()
-            os.environ.pop(ckpt.LOCK_ENV, None)
             os.unlink(f.name)
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        run(cfg, on_metrics=callback)
+        recipe.run(cfg, on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
 
 
@@ -96,25 +92,25 @@ def _result(out: Path) -> TrainResult:
     def number(v):
         return float(v) if v is not None else None
 
-    return TrainResult(out, out, losses[-1]["step"] if losses else 0, number(losses[-1]["loss"]) if losses else None,
-                       number(evals[-1]["eval_loss"]) if evals else None, rows)
+    return TrainResult(
+        out,
+        out,
+        losses[-1]["step"] if losses else 0,
+        number(losses[-1]["loss"]) if losses else None,
+        number(evals[-1]["eval_loss"]) if evals else None,
+        rows,
+    )
 
 
 def plan(config: str | Path | dict | None = None, **options):
     """Will it fit, and (auto=True) which setup is fastest (`lora-tune plan`): a `lora_tune.planner.Plan`
     with the numbers `--json` prints (`.to_json()`) and the table (`.text`)."""
-    from lora_tune import planner
-    from lora_tune.config import PlanConfig
-
     cfg = _config(PlanConfig, config, options)
     return planner.compute(cfg)
 
 
 def merge(config: str | Path | dict | None = None, **options) -> Path:
     """Fold an adapter into its full-precision base, verified (`lora-tune merge`); returns the folder."""
-    from lora_tune import merger
-    from lora_tune.config import MergeConfig
-
     cfg = _config(MergeConfig, config, options)
     _quiet(cfg)
     return merger.run(cfg)
@@ -122,9 +118,6 @@ def merge(config: str | Path | dict | None = None, **options) -> Path:
 
 def report(run_dir: str | Path, output: str | Path | None = None) -> Path:
     """The run's curves as a PNG and its summary printed (`lora-tune report`); returns the PNG's path."""
-    from lora_tune import reporting
-    from lora_tune.config import ReportConfig
-
     return reporting.run(ReportConfig(run_dir=str(run_dir), output=str(output) if output else None))
 
 
@@ -132,11 +125,7 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
     """(model, tokenizer), ready to generate: an adapter folder (the base it records, with the adapter
     on top, through peft) or a merged model folder. The model is in eval mode on `device` (default:
     the GPU when there is one)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lora_tune.aliases import resolve_base
-    from lora_tune.model_loading import WEIGHT_DTYPE
+    from peft import PeftModel  # noqa: PLC0415 - start-up time: importing peft costs seconds, only load() needs it
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -145,8 +134,6 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
     dtype_ = WEIGHT_DTYPE.get(dtype, torch.bfloat16)
     adapter_config = folder / "adapter_config.json"
     if adapter_config.is_file():
-        from peft import PeftModel
-
         base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
         if not base:
             raise UserError(f"{adapter_config} records no base model")

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE = -100
+from lora_tune.loss import IGNORE
+
 GROUP_WINDOW = 64  # micro-batches per length-sorting window
 
 
@@ -126,5 +127,7 @@ def collate(rows: list[list], pad_id: int, packed: bool) -> MicroBatch:
     label_count = int((labels[:, 1:] != IGNORE).sum())
     if packed:
         return MicroBatch({"input_ids": ids, "labels": labels, "position_ids": positions}, tokens, label_count)
-    mask = (positions.new_zeros(positions.shape) + torch.arange(width)) < torch.tensor([sum(len(s.input_ids) for s in row) for row in rows]).unsqueeze(1)
+    mask = (positions.new_zeros(positions.shape) + torch.arange(width)) < torch.tensor(
+        [sum(len(s.input_ids) for s in row) for row in rows]
+    ).unsqueeze(1)
     return MicroBatch({"input_ids": ids, "labels": labels, "attention_mask": mask.long()}, tokens, label_count)

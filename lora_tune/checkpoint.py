@@ -5,22 +5,32 @@ temporary name, its files are flushed, the marker `COMPLETE` is written last, an
 folder is renamed into place (atomic on POSIX). Resume only looks at folders with the marker, so a
 kill at any moment leaves the previous checkpoint as the newest valid one.
 
-Contents: the adapter (safetensors), optimizer state (torch.save of tensors and numbers, loaded
-with weights_only=True, so no pickle code can run), scheduler state and trainer state (JSON), RNG
-states (safetensors).
+Contents: the adapter (safetensors); per rank, optimizer and scheduler state (tensors in
+safetensors, the rest as JSON: no pickle anywhere, so loading can't run code) and RNG states
+(safetensors); the trainer state (JSON).
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from enum import Enum
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from safetensors.torch import save as safetensors_bytes
 
+from lora_tune import distributed as dist
 from lora_tune.errors import UserError
 
 MARKER = "COMPLETE"
@@ -36,15 +46,16 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_dir(path: Path) -> None:
-    fsync_path(path)
-
-
 def fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
         if p.is_file():
             fsync_path(p)
     fsync_path(path)
+
+
+def step_of(folder: Path) -> int:
+    """The step of a `checkpoint-STEP` folder."""
+    return int(_NAME.match(folder.name).group(1))
 
 
 def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
@@ -56,8 +67,7 @@ def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
         m = _NAME.match(p.name)
         if m and p.is_dir():
             (complete if (p / MARKER).is_file() else incomplete).append(p)
-    key = lambda p: int(_NAME.match(p.name).group(1))  # noqa: E731
-    return sorted(complete, key=key), sorted(incomplete, key=key)
+    return sorted(complete, key=step_of), sorted(incomplete, key=step_of)
 
 
 def remove_leftovers(output_dir: Path) -> list[Path]:
@@ -76,11 +86,11 @@ def newest_complete(output_dir: Path) -> Path | None:
 
 
 class CheckpointWriter:
-    """Context manager: yields a temp folder to fill; on clean exit it is committed atomically,
-    on any exception it is removed and the previous checkpoints are untouched.
+    """A temp folder to fill (`begin`), then committed atomically (`commit`) or removed (`abort`),
+    leaving the previous checkpoints untouched either way.
 
     The temp name depends only on the step, so that in a multi-process run every rank writes its
-    own shard into the folder rank 0 created (`begin`), and rank 0 commits it (`commit`).
+    own part into the folder rank 0 created, and rank 0 commits it.
     """
 
     def __init__(self, output_dir: Path, step: int):
@@ -109,20 +119,10 @@ class CheckpointWriter:
                 shutil.rmtree(stale, ignore_errors=True)
             else:
                 os.replace(self.tmp, self.final)
-            fsync_dir(self.output_dir)
+            fsync_path(self.output_dir)
         except BaseException:
             self.abort()
             raise
-
-    def __enter__(self) -> Path:
-        return self.begin()
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            self.abort()
-            return False
-        self.commit()
-        return False
 
 
 def rotate(output_dir: Path, keep: int | None) -> list[Path]:
@@ -139,6 +139,53 @@ def rotate(output_dir: Path, keep: int | None) -> list[Path]:
     return doomed
 
 
+@dataclass
+class TrainerState:
+    """What, besides the engines' own state, an exact resume needs (in trainer_state.json)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    bad_steps_in_a_row: int = 0
+    best_eval_loss: float | None = None
+
+    @classmethod
+    def saved(cls, state: dict) -> TrainerState:
+        return cls(**{f.name: state[f.name] for f in fields(cls)})
+
+
+def write(
+    output_dir: Path, step: int, keep: int | None, rank_part: Callable[[Path], None], main_part: Callable[[Path], None]
+) -> list[Path]:
+    """One checkpoint of a run on any number of ranks: rank 0 opens the temporary folder, every rank
+    writes its part (`rank_part`), rank 0 adds the run's own (`main_part`: adapter, trainer state)
+    and commits, then rotates old checkpoints beyond `keep` (returned). A failure on any rank aborts
+    the folder on every rank: all agree first, so none waits in a barrier for a rank that gave up."""
+    writer = CheckpointWriter(output_dir, step)
+    main = dist.is_main()
+    if main:
+        writer.begin()
+    dist.barrier()
+    error = None
+    try:
+        rank_part(writer.tmp)
+        if main:
+            main_part(writer.tmp)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
+        error = e
+    if dist.any_rank(error is not None):  # every rank's part is written (or none commits)
+        if main:
+            writer.abort()
+        raise error or OSError(f"another rank could not write its part of checkpoint-{step}")
+    if main:
+        try:
+            writer.commit()  # aborts its folder itself on failure
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agreed
+            error = e
+    if dist.any_rank(error is not None):
+        raise error or OSError(f"rank 0 could not commit checkpoint-{step}")
+    return rotate(output_dir, keep) if main else []
+
+
 # --- the pieces a checkpoint holds ---------------------------------------------------------------
 def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True))
@@ -151,27 +198,6 @@ def read_json(path: Path) -> dict:
         raise UserError(f"{path} is unreadable or corrupt ({e}); delete that checkpoint to resume from an older one") from None
 
 
-def save_torch_state(path: Path, state) -> None:
-    # Serialise in memory, then write with plain file I/O: torch.save's own writer reports a full
-    # disk as an opaque RuntimeError, a plain write raises OSError(ENOSPC). LoRA states are small.
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    with open(path, "wb") as f:
-        f.write(buffer.getbuffer())
-
-
-def load_torch_state(path: Path):
-    """Optimizer state: tensors and plain numbers only, so weights_only=True refuses any pickle
-    that would construct objects or run code (CVE-2025-32434 class of attacks)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - UnpicklingError, EOFError, RuntimeError for truncation
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{path} is corrupt or unsafe to load ({first}); delete that checkpoint to resume from an older one") from None
-
-
 def rng_state() -> dict[str, torch.Tensor]:
     state = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -180,16 +206,19 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-def save_rng(path: Path) -> None:
-    from safetensors.torch import save_file
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
+    """safetensors bytes written with plain file I/O: a full disk is an OSError (ENOSPC) the loop can
+    report in one line, not the library's own error type. Checkpoint tensors are small (LoRA)."""
+    data = safetensors_bytes(tensors, metadata=metadata)
+    with open(path, "wb") as f:
+        f.write(data)
 
-    save_file(rng_state(), str(path))
+
+def save_rng(path: Path) -> None:
+    write_safetensors(path, rng_state())
 
 
 def load_rng(path: Path) -> None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError) as e:
@@ -207,15 +236,15 @@ def to_safe(obj, tensors: dict, path: str = "s"):
     neither tensors nor plain data are dropped and taken from the live optimizer on load: DeepSpeed's
     state holds its ZeRO stage enum (kept as its int) and a loss scaler (static for our fp32 LoRA
     states)."""
-    from enum import Enum
-
     if torch.is_tensor(obj):
         tensors[path] = obj.detach().cpu().contiguous()
         return {"__tensor__": path}
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, dict):
-        return {"__dict__": [[to_safe(k, tensors, f"{path}.k{i}"), to_safe(v, tensors, f"{path}.{i}")] for i, (k, v) in enumerate(obj.items())]}
+        return {
+            "__dict__": [[to_safe(k, tensors, f"{path}.k{i}"), to_safe(v, tensors, f"{path}.{i}")] for i, (k, v) in enumerate(obj.items())]
+        }
     if isinstance(obj, (list, tuple)):
         return {"__list__": [to_safe(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -238,23 +267,22 @@ def from_safe(obj, tensors: dict):
 
 
 def save_safe_state(folder: Path, name: str, state) -> None:
-    from safetensors.torch import save_file
-
     tensors: dict = {}
     skeleton = to_safe(state, tensors)
-    save_file(tensors, str(folder / f"{name}.safetensors"))
+    write_safetensors(folder / f"{name}.safetensors", tensors)
     (folder / f"{name}.json").write_text(json.dumps(skeleton))
 
 
 def load_safe_state(folder: Path, name: str):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
+    tensors_file, skeleton_file = folder / f"{name}.safetensors", folder / f"{name}.json"
     try:
-        tensors = load_file(str(folder / f"{name}.safetensors"))
-        skeleton = json.loads((folder / f"{name}.json").read_text())
-    except (SafetensorError, OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{folder / name}.* is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+        tensors = load_file(str(tensors_file))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{tensors_file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+    try:
+        skeleton = json.loads(skeleton_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{skeleton_file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
     return from_safe(skeleton, tensors)
 
 
@@ -265,8 +293,6 @@ LOCK_ENV = "LORA_TUNE_LOCK_HELD"  # set for the ranks of a job whose launcher ho
 
 def lock_holder(output_dir: Path) -> str | None:
     """Who holds the output folder's lock ("pid N on HOST since T"), or None. Writes nothing."""
-    import fcntl
-
     path = output_dir / LOCK_NAME
     if os.environ.get(LOCK_ENV) == str(path.resolve()) or not path.is_file():
         return None
@@ -289,11 +315,7 @@ class OutputLock:
         self.path = output_dir / LOCK_NAME
         self.file = None
 
-    def acquire(self) -> "OutputLock":
-        import fcntl
-        import socket
-        import time
-
+    def acquire(self) -> OutputLock:
         if os.environ.get(LOCK_ENV) == str(self.path.resolve()):
             return self  # our launcher holds it for the whole job
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -304,11 +326,16 @@ class OutputLock:
             f.seek(0)
             holder = f.read().strip() or "another process"
             f.close()
-            raise UserError(f"--output-dir: {self.path.parent} is being written by another lora-tune run ({holder}); wait for it to end or choose another --output-dir") from None
+            raise UserError(
+                f"--output-dir: {self.path.parent} is being written by another lora-tune run ({holder}); wait for it to end or "
+                "choose another --output-dir"
+            ) from None
         f.seek(0)
         previous = f.read().strip()
         if previous:
-            logging.getLogger("lora_tune").info("took over the lock of %s, left by a run that is no longer running (%s)", self.path.parent, previous)
+            logging.getLogger("lora_tune").info(
+                "took over the lock of %s, left by a run that is no longer running (%s)", self.path.parent, previous
+            )
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")

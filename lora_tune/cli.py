@@ -8,12 +8,14 @@ import logging
 import os
 import shlex
 import sys
+import types
 import typing
-from pathlib import Path
+import warnings
 from typing import Any
 
+from lora_tune import __version__
 from lora_tune.config import MergeConfig, PlanConfig, ReportConfig, TrainConfig, build_config, flag, read_yaml
-from lora_tune.errors import UserError
+from lora_tune.errors import TrainingStopped, UserError, first_line
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -25,9 +27,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
 
 def _unwrap(annotation):
-    """(base type, is_list) for Optional[X] / list[X] annotations."""
+    """(base type, is_list) for `X | None` / `list[X]` annotations."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Union and len(args) == 1:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
         annotation = args[0]
     if typing.get_origin(annotation) is list:
         return typing.get_args(annotation)[0], True
@@ -52,32 +54,75 @@ def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
             kw["nargs"] = "+"
         if not isinstance(kind, type):  # e.g. a source: a string on the command line, a mapping only in YAML
             kind = str
-        parser.add_argument(flag(name, f), type=kind, **kw)
+        action = parser.add_argument(flag(name, f), type=kind, **kw)
+        action.registry = (f.json_schema_extra or {}).get("registry")  # choices a registry holds: see RegistryHelp
+
+
+class RegistryHelp(argparse.HelpFormatter):
+    """--help whose choices for registry-backed options (--backend, --zero) are read from the engine
+    registry when help is shown, so every registered backend appears, and commands that show no help
+    never import the backends."""
+
+    def _choices(self, action) -> dict | None:
+        name = getattr(action, "registry", None)
+        if not name:
+            return None
+        from lora_tune import engines  # noqa: PLC0415 - start-up time: the backends import torch and friends
+
+        return getattr(engines, name)()
+
+    def _metavar_formatter(self, action, default_metavar):
+        choices = self._choices(action)
+        if choices:
+            return super()._metavar_formatter(action, "|".join(map(str, choices)))
+        return super()._metavar_formatter(action, default_metavar)
+
+    def _get_help_string(self, action):
+        choices = self._choices(action)
+        text = super()._get_help_string(action)
+        return text + " Choices: " + "; ".join(f"{c}: {d}" for c, d in choices.items()).replace("%", "%%") if choices else text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lora_tune import __version__
-
     parser = OneLineErrorParser(prog="lora-tune", description="Fine-tune large language models with LoRA on the GPUs you have.")
     parser.add_argument("--version", action="version", version=f"lora-tune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     sub.required = True
 
-    train = sub.add_parser("train", help="train a LoRA adapter", description="Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).")
+    train = sub.add_parser(
+        "train",
+        formatter_class=RegistryHelp,
+        help="train a LoRA adapter",
+        description="Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).",
+    )
     train.add_argument("--config", metavar="FILE", help="YAML file with any of the options below (keys use underscores, e.g. max_seq_len)")
     add_schema_flags(train, TrainConfig)
 
-    merge = sub.add_parser("merge", help="merge an adapter into its full-precision base", description="Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.")
+    merge = sub.add_parser(
+        "merge",
+        help="merge an adapter into its full-precision base",
+        description="Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.",
+    )
     merge.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
     add_schema_flags(merge, MergeConfig)
 
-    plan = sub.add_parser("plan", help="will it fit, and which setup is fastest", description="Estimate memory per GPU and host from config.json alone (no weights), or --auto search the fastest setup that fits. Takes every train option, so a training --config plans as it is.")
+    plan = sub.add_parser(
+        "plan",
+        formatter_class=RegistryHelp,
+        help="will it fit, and which setup is fastest",
+        description="Estimate memory per GPU and host from config.json alone (no weights), or --auto search the fastest setup "
+        "that fits. Takes every train option, so a training --config plans as it is.",
+    )
     plan.add_argument("--config", metavar="FILE", help="YAML file (a training config works)")
     add_schema_flags(plan, PlanConfig)
 
     sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
 
-    report = sub.add_parser("report", help="plot a run's metrics", description="Plot loss, eval loss, learning rate, tokens/s and memory over steps (PNG) and print a summary.")
+    report = sub.add_parser(
+        "report",
+        help="plot a run's metrics",
+        description="Plot loss, eval loss, learning rate, tokens/s and memory over steps (PNG) and print a summary.",
+    )
     report.add_argument("run_dir", metavar="RUN_DIR", help=ReportConfig.model_fields["run_dir"].description)
     report.add_argument("--output", default=argparse.SUPPRESS, help=ReportConfig.model_fields["output"].description)
     return parser
@@ -90,12 +135,12 @@ def config_from_args(schema, args: argparse.Namespace, skip=("command", "config"
 
 
 def cmd_models() -> int:
-    from lora_tune.aliases import ALIASES, architecture
-    from lora_tune.planner import Architecture
+    from lora_tune.aliases import ALIASES, architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.planner.architecture import Architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
     print(f"{'alias':<13} {'hub id':<33} {'params':>8}  description")
     for a in ALIASES.values():
-        params = Architecture.from_config(architecture(a.name)).total_params()  # exact: counted on a meta skeleton
+        params = Architecture.from_config(architecture(a.name)).total  # exact: counted on a meta skeleton
         size = f"{params / 1e9:>7.2f}B" if params >= 1e8 else f"{params / 1e6:>7.2f}M"
         print(f"{a.name:<13} {a.hub_id:<33} {size}  {a.description}")
     return 0
@@ -114,22 +159,22 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
-NOISY_LIBRARIES = ("transformers", "peft", "bitsandbytes", "deepspeed", "DeepSpeed", "accelerate", "datasets", "torch", "trl")
+NOISY_LIBRARIES = ("transformers", "peft", "bitsandbytes", "kernels", "deepspeed", "DeepSpeed", "accelerate", "datasets", "torch", "trl")
 
 
-def quiet_libraries() -> None:
+def quiet_libraries(quiet: bool = True) -> None:
     """Hide the libraries' own warnings and info logs (deprecations inside transformers, optional
     kernels bitsandbytes could not find, DeepSpeed's start-up chatter): they are about nothing the
-    user did. Our own messages (logger `lora_tune`) are untouched; --verbose shows everything."""
-    import warnings
-
+    user did. Our own messages (logger `lora_tune`) are untouched; --verbose (quiet=False) shows
+    everything again."""
     pattern = "|".join(NOISY_LIBRARIES)
     for category in (FutureWarning, DeprecationWarning, UserWarning):
-        warnings.filterwarnings("ignore", category=category, module=rf"({pattern})(\.|$)")
+        warnings.filterwarnings("ignore" if quiet else "default", category=category, module=rf"({pattern})(\.|$)")
     for name in NOISY_LIBRARIES:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("DATASETS_VERBOSITY", "error")
+        logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.NOTSET)
+    if quiet:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        os.environ.setdefault("DATASETS_VERBOSITY", "error")
 
 
 def without_flags(argv: list[str], *names: str) -> list[str]:
@@ -145,66 +190,64 @@ def without_flags(argv: list[str], *names: str) -> list[str]:
     return out
 
 
+def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
+    from transformers.utils import logging as hf_logging  # noqa: PLC0415 - start-up time: each command loads only its own modules
+
+    from lora_tune import distributed, engines, launcher  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.recipe import run  # noqa: PLC0415 - start-up time: each command loads only its own modules
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
+    cfg = config_from_args(TrainConfig, args)
+    if (cfg.nproc or engines.spec_of(cfg).multi_process) and not distributed.launched():
+        # Validate once here, in one line, before starting N processes that would each fail.
+        # Its summaries (data, memory plan) are left to rank 0, which prints them again.
+        logging.getLogger("lora_tune").setLevel(logging.WARNING)
+        resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
+        return launcher.launch_job(cfg, without_flags(argv, "--nproc"), resume)
+    try:
+        run(cfg)
+    except TrainingStopped as stop:
+        print(f"{stop.label}: {stop}", file=sys.stderr)
+        return stop.exit_code
+    except Exception as e:
+        if not distributed.lost_peer(e):
+            raise
+        # Another rank died (killed, crashed): this one can't go on. Under our launcher the
+        # launcher says what happened, once; under torchrun each rank says it here.
+        if launcher.LAUNCHER_ENV not in os.environ:
+            print(
+                f"error: rank {distributed.rank()} lost contact with the other ranks ({first_line(e)[:200]}); resume with --resume",
+                file=sys.stderr,
+            )
+        return distributed.LOST_PEER_EXIT
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging()
     # The `deepspeed` launcher appends --local_rank=N; LOCAL_RANK in the environment says the
     # same (torchrun and accelerate set only that), so the flag is dropped.
     argv = without_flags([str(a) for a in (sys.argv[1:] if argv is None else argv)], "--local_rank", "--local-rank")
-    args = build_parser().parse_args(argv)
-    if not getattr(args, "verbose", False):
+    if "--verbose" not in argv:  # before parsing: --help imports the backends (and their libraries' chatter)
         quiet_libraries()
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "models":
             return cmd_models()
         if args.command == "train":
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
-            from lora_tune import checkpoint as ckpt
-            from lora_tune import distributed, engines
-            from lora_tune.recipe import Recipe, TrainingStopped, run
-
-            cfg = config_from_args(TrainConfig, args)
-            if (cfg.nproc or engines.backend_name(cfg) != "single") and not distributed.launched():
-                # Validate once here, in one line, before starting N processes that would each fail.
-                # Its summaries (data, memory plan) are left to rank 0, which prints them again.
-                logging.getLogger("lora_tune").setLevel(logging.WARNING)
-                Recipe(cfg).check_inputs()
-                resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
-                # The launcher holds the output folder's lock for the whole job; its ranks know.
-                lock = ckpt.OutputLock(Path(cfg.output_dir).expanduser()).acquire()
-                os.environ[ckpt.LOCK_ENV] = str(lock.path.resolve())
-                try:
-                    return distributed.launch(without_flags(argv, "--nproc"), cfg.nproc or 1, cfg.output_dir, resume)
-                finally:
-                    lock.release()
-                    os.environ.pop(ckpt.LOCK_ENV, None)
-            try:
-                run(cfg)
-            except TrainingStopped as stop:
-                print(f"{stop.label}: {stop}", file=sys.stderr)
-                return stop.exit_code
-            except Exception as e:
-                if not distributed.lost_peer(e):
-                    raise
-                # Another rank died (killed, crashed): this one can't go on. Under our launcher
-                # the launcher says what happened, once; under torchrun each rank says it here.
-                if "LORA_TUNE_LAUNCHER" not in os.environ:
-                    print(f"error: rank {distributed.rank()} lost contact with the other ranks ({str(e).splitlines()[0][:200]}); resume with --resume", file=sys.stderr)
-                return distributed.LOST_PEER_EXIT
-            return 0
+            return cmd_train(args, argv)
         if args.command == "report":
-            from lora_tune import reporting
+            from lora_tune import reporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
             reporting.run(ReportConfig(**{k: v for k, v in vars(args).items() if k in ReportConfig.model_fields}))
             return 0
         if args.command == "plan":
-            from lora_tune import planner
+            from lora_tune import planner  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
             return planner.run(config_from_args(PlanConfig, args))
         if args.command == "merge":
-            from lora_tune import merger
+            from lora_tune import merger  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
             merger.run(config_from_args(MergeConfig, args))
             return 0

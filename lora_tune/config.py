@@ -7,15 +7,20 @@ computes and must match the checkpoint; the others (run length, cadence, reporti
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
+import annotated_types
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from lora_tune.errors import UserError, did_you_mean
 
-Precision = Literal["bf16", "fp16", "fp32", "8bit", "4bit"]
+# Base precisions and offload targets; which combinations run is each backend's call (lora_tune.engines).
+Precision = Literal["fp32", "bf16", "fp16", "8bit", "4bit"]
+Offload = Literal["none", "cpu", "nvme"]
+
 MATH = {"resume_rule": "math"}  # changing it on resume changes the result: refused
 FREE = {"resume_rule": "free"}  # run length, cadence, reporting, paths: may change on resume
 
@@ -25,136 +30,230 @@ class TrainConfig(BaseModel):
 
     # --- model -------------------------------------------------------------------------------
     base: str = Field(json_schema_extra=MATH, description="Base model: an alias (see `lora-tune models`), a hub id or a local directory.")
-    precision: Precision = Field("bf16", json_schema_extra=MATH, description="Base weights: bf16, fp16 (with loss scaling), fp32, 8bit (LLM.int8) or 4bit (NF4, double quant, bf16 compute). LoRA weights always train in fp32.")
-    trust_remote_code: bool = Field(False, json_schema_extra=MATH, description="Run model code shipped with a hub repo. Off by default: it executes arbitrary code.")
-    allow_bin: bool = Field(False, json_schema_extra=FREE, description="Allow loading pickle-based .bin weights when a model has no safetensors (unsafe with untrusted models).")
+    precision: Precision = Field(
+        "bf16",
+        json_schema_extra=MATH,
+        description="Base weights: bf16, fp16 (with loss scaling), fp32, 8bit (LLM.int8) or 4bit (NF4, double quant, bf16 "
+        "compute). LoRA weights always train in fp32.",
+    )
+    trust_remote_code: bool = Field(
+        False, json_schema_extra=MATH, description="Run model code shipped with a hub repo. Off by default: it executes arbitrary code."
+    )
+    allow_bin: bool = Field(
+        False,
+        json_schema_extra=FREE,
+        description="Allow loading pickle-based .bin weights when a model has no safetensors (unsafe with untrusted models).",
+    )
 
     # --- LoRA --------------------------------------------------------------------------------
-    rank: int = Field(16, json_schema_extra=MATH, description="LoRA rank r.")
-    alpha: Optional[float] = Field(None, json_schema_extra=MATH, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with --rslora). Default: 2 x rank.")
-    dropout: float = Field(0.0, json_schema_extra=MATH, description="Dropout on the LoRA input (0 skips the dropout layer: ~20% faster steps on small models; Unsloth and LLaMA-Factory default to 0 as well).")
-    target_modules: Optional[list[str]] = Field(None, json_schema_extra=MATH, description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).")
+    rank: int = Field(16, gt=0, json_schema_extra={**MATH, "hint": "typical values are 8, 16, 32, 64"}, description="LoRA rank r.")
+    alpha: float | None = Field(
+        None, json_schema_extra=MATH, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with --rslora). Default: 2 x rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        json_schema_extra=MATH,
+        description="Dropout on the LoRA input (0 skips the dropout layer: ~20% faster steps on small models; Unsloth and "
+        "LLaMA-Factory default to 0 as well).",
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).",
+    )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
 
     # --- data --------------------------------------------------------------------------------
-    data: list[Union[str, dict]] = Field(json_schema_extra=MATH, description="Training data, one or more sources: a .jsonl/.json/.parquet/.csv file or folder, or a hub dataset (name or name:config:split). Columns decide the format: text | instruction/input/output | messages (OpenAI, tools) | conversations (ShareGPT) | prompt/completion | input_ids (pretokenized). In YAML a source may be a mapping of path, weight, columns, config, split.")
-    data_weights: Optional[list[float]] = Field(None, json_schema_extra=MATH, description="Mix the --data sources in these proportions (one weight each; deterministic for --seed). Default: every row of every source once.")
-    data_columns: Optional[str] = Field(None, json_schema_extra=MATH, description="Rename columns to the names a format expects, e.g. instruction=question,output=answer (every source).")
-    system_message: Literal["auto", "keep", "merge", "drop"] = Field("auto", json_schema_extra=MATH, description="Chat data with a system message: keep it, merge it into the first user turn (for templates without a system role: Gemma, Mistral), or drop it. auto: keep where the chat template accepts it, else merge.")
-    eval_data: Optional[list[Union[str, dict]]] = Field(None, json_schema_extra=MATH, description="Evaluation data, same formats as --data.")
-    eval_split: float = Field(0.0, json_schema_extra=MATH, description="Fraction of --data held out for evaluation when --eval-data is not given (e.g. 0.05).")
-    eval_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Evaluate every N optimizer steps (default: only at the end, when there is eval data).")
-    eval_prompts: Optional[str] = Field(None, json_schema_extra=FREE, description="A .txt (one prompt per line) or .jsonl (prompt | instruction | messages) file of up to 8 prompts; their greedy completions are logged at each evaluation.")
-    eval_max_new_tokens: int = Field(64, json_schema_extra=FREE, description="Tokens generated per --eval-prompts prompt.")
-    max_seq_len: int = Field(2048, json_schema_extra=MATH, description="Maximum tokens per sample.")
-    long_samples: Literal["truncate", "drop"] = Field("truncate", json_schema_extra=MATH, description="What to do with samples longer than --max-seq-len.")
-    train_on_prompt: bool = Field(False, json_schema_extra=MATH, description="Also compute the loss on prompt / user tokens (default: only on the response).")
-    data_workers: Optional[int] = Field(None, json_schema_extra=FREE, description="Processes that tokenize large sources (default: the CPU count, at most 8).")
-    data_cache_dir: Optional[str] = Field(None, json_schema_extra=FREE, description="Where tokenized data is cached (default: the datasets cache, under lora_tune/).")
-    data_cache: bool = Field(True, json_schema_extra=FREE, description="Cache tokenized data on disk and memory-map it (--no-data-cache: tokenize in memory every run).")
-    packing: bool = Field(True, json_schema_extra=MATH, description="Pack samples into rows of up to --max-seq-len tokens (best-fit decreasing; no attention across samples). Falls back to padded batches, with a log line, for models whose attention can't separate packed samples.")
-    group_by_length: bool = Field(True, json_schema_extra=MATH, description="Without packing: batch samples of similar length together to cut padding.")
+    data: list[str | dict] = Field(
+        min_length=1,
+        json_schema_extra=MATH,
+        description="Training data, one or more sources: a .jsonl/.json/.parquet/.csv file or folder, or a hub dataset (name "
+        "or name:config:split). Columns decide the format: text | instruction/input/output | messages (OpenAI, tools) | "
+        "conversations (ShareGPT) | prompt/completion | input_ids (pretokenized). In YAML a source may be a mapping of path, "
+        "weight, columns, config, split.",
+    )
+    data_weights: list[float] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Mix the --data sources in these proportions (one weight each; deterministic for --seed). Default: every "
+        "row of every source once.",
+    )
+    data_columns: str | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Rename columns to the names a format expects, e.g. instruction=question,output=answer (every source).",
+    )
+    system_message: Literal["auto", "keep", "merge", "drop"] = Field(
+        "auto",
+        json_schema_extra=MATH,
+        description="Chat data with a system message: keep it, merge it into the first user turn (for templates without a "
+        "system role: Gemma, Mistral), or drop it. auto: keep where the chat template accepts it, else merge.",
+    )
+    eval_data: list[str | dict] | None = Field(None, json_schema_extra=MATH, description="Evaluation data, same formats as --data.")
+    eval_split: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        json_schema_extra=MATH,
+        description="Fraction of --data held out for evaluation when --eval-data is not given (e.g. 0.05).",
+    )
+    eval_steps: int | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=FREE,
+        description="Evaluate every N optimizer steps (default: only at the end, when there is eval data).",
+    )
+    eval_prompts: str | None = Field(
+        None,
+        json_schema_extra=FREE,
+        description="A .txt (one prompt per line) or .jsonl (prompt | instruction | messages) file of up to 8 prompts; their "
+        "greedy completions are logged at each evaluation.",
+    )
+    eval_max_new_tokens: int = Field(64, gt=0, json_schema_extra=FREE, description="Tokens generated per --eval-prompts prompt.")
+    max_seq_len: int = Field(2048, gt=0, json_schema_extra=MATH, description="Maximum tokens per sample.")
+    long_samples: Literal["truncate", "drop"] = Field(
+        "truncate", json_schema_extra=MATH, description="What to do with samples longer than --max-seq-len."
+    )
+    train_on_prompt: bool = Field(
+        False, json_schema_extra=MATH, description="Also compute the loss on prompt / user tokens (default: only on the response)."
+    )
+    data_workers: int | None = Field(
+        None, gt=0, json_schema_extra=FREE, description="Processes that tokenize large sources (default: the CPU count, at most 8)."
+    )
+    data_cache_dir: str | None = Field(
+        None, json_schema_extra=FREE, description="Where tokenized data is cached (default: the datasets cache, under lora_tune/)."
+    )
+    data_cache: bool = Field(
+        True,
+        json_schema_extra=FREE,
+        description="Cache tokenized data on disk and memory-map it (--no-data-cache: tokenize in memory every run).",
+    )
+    packing: bool = Field(
+        True,
+        json_schema_extra=MATH,
+        description="Pack samples into rows of up to --max-seq-len tokens (best-fit decreasing; no attention across samples). "
+        "Falls back to padded batches, with a log line, for models whose attention can't separate packed samples.",
+    )
+    group_by_length: bool = Field(
+        True, json_schema_extra=MATH, description="Without packing: batch samples of similar length together to cut padding."
+    )
 
     # --- optimisation ------------------------------------------------------------------------
-    optim: Literal["adamw_8bit", "paged_adamw_8bit", "adamw"] = Field("adamw_8bit", json_schema_extra=MATH, description="Optimizer: bitsandbytes 8-bit AdamW (default), its paged variant, or torch AdamW.")
-    lr: float = Field(2e-4, json_schema_extra=MATH, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, json_schema_extra=MATH, description="AdamW weight decay.")
-    warmup_steps: int = Field(0, json_schema_extra=MATH, description="Linear warmup steps (overrides --warmup-ratio when > 0).")
-    warmup_ratio: float = Field(0.0, json_schema_extra=MATH, description="Warmup as a fraction of the total steps.")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup.")
-    max_grad_norm: float = Field(1.0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
-    gradient_checkpointing: bool = Field(True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory.")
-    activation_offload: bool = Field(False, json_schema_extra=FREE, description="With checkpointing, keep the checkpointed layer inputs in pinned host memory instead of on the GPU (CUDA only; slower steps, less GPU memory at long sequences).")
-    loss_chunk_size: Optional[int] = Field(None, json_schema_extra=FREE, description="Compute the output head and cross-entropy this many label tokens at a time, never materialising the whole [tokens x vocab] logits. Default: about tokens x hidden / vocab per chunk (logits no bigger than the hidden states); 0: the model's own full-logits loss.")
-    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field("auto", json_schema_extra=FREE, description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU, else sdpa.")
-    micro_batch_size: int = Field(1, json_schema_extra=MATH, description="Samples per forward/backward.")
-    grad_accum: int = Field(1, json_schema_extra=MATH, description="Micro-batches per optimizer step.")
-    epochs: float = Field(1.0, json_schema_extra=FREE, description="Passes over the data (ignored when --max-steps is given).")
-    max_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Stop after this many optimizer steps.")
+    optim: Literal["adamw_8bit", "paged_adamw_8bit", "adamw"] = Field(
+        "adamw_8bit",
+        json_schema_extra=MATH,
+        description="Optimizer: bitsandbytes 8-bit AdamW (default), its paged variant, or torch AdamW.",
+    )
+    lr: float = Field(
+        2e-4, gt=0, json_schema_extra={**MATH, "hint": "LoRA usually trains with 1e-4 to 3e-4"}, description="Peak learning rate."
+    )
+    weight_decay: float = Field(0.0, ge=0, json_schema_extra=MATH, description="AdamW weight decay.")
+    warmup_steps: int = Field(0, ge=0, json_schema_extra=MATH, description="Linear warmup steps (overrides --warmup-ratio when > 0).")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, json_schema_extra=MATH, description="Warmup as a fraction of the total steps.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup."
+    )
+    max_grad_norm: float = Field(1.0, ge=0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
+    gradient_checkpointing: bool = Field(
+        True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory."
+    )
+    activation_offload: bool = Field(
+        False,
+        json_schema_extra=FREE,
+        description="With checkpointing, keep the checkpointed layer inputs in pinned host memory instead of on the GPU (CUDA "
+        "only; slower steps, less GPU memory at long sequences).",
+    )
+    loss_chunk_size: int | None = Field(
+        None,
+        ge=0,
+        json_schema_extra={**FREE, "hint": "0 computes the full logits; leave it out for the automatic size"},
+        description="Compute the output head and cross-entropy this many label tokens at a time, never materialising the "
+        "whole [tokens x vocab] logits. Default: about tokens x hidden / vocab per chunk (logits no bigger than the hidden "
+        "states); 0: the model's own full-logits loss.",
+    )
+    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+        "auto",
+        json_schema_extra=FREE,
+        description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU, else sdpa.",
+    )
+    micro_batch_size: int = Field(1, gt=0, json_schema_extra=MATH, description="Samples per forward/backward.")
+    grad_accum: int = Field(1, gt=0, json_schema_extra=MATH, description="Micro-batches per optimizer step.")
+    epochs: float = Field(1.0, gt=0, json_schema_extra=FREE, description="Passes over the data (ignored when --max-steps is given).")
+    max_steps: int | None = Field(None, gt=0, json_schema_extra=FREE, description="Stop after this many optimizer steps.")
     seed: int = Field(42, json_schema_extra=MATH, description="Seed for data order, LoRA init and dropout.")
-    max_bad_steps: int = Field(3, json_schema_extra=FREE, description="Stop after this many consecutive steps with NaN/inf loss or gradient norm (those steps are skipped, and logged).")
+    max_bad_steps: int = Field(
+        3,
+        gt=0,
+        json_schema_extra=FREE,
+        description="Stop after this many consecutive steps with NaN/inf loss or gradient norm (those steps are skipped, and logged).",
+    )
 
     # --- distributed ---------------------------------------------------------------------------
-    backend: Optional[Literal["single", "deepspeed", "fsdp"]] = Field(None, json_schema_extra=MATH, description="Training engine: single (one device), deepspeed (ZeRO, see --zero) or fsdp (PyTorch FSDP2, shards weights, gradients and optimizer states). Default: deepspeed when --zero is given, else single.")
-    zero: Literal[0, 1, 2, 3] = Field(0, json_schema_extra=MATH, description="DeepSpeed ZeRO stage (implies --backend deepspeed): 1 (shard optimizer states), 2 (also gradients), 3 (also the base weights, partitioned while loading); 0 = no DeepSpeed.")
-    offload: Literal["none", "cpu", "nvme"] = Field("none", json_schema_extra=MATH, description="With ZeRO or FSDP: offload optimizer states (ZeRO-3 and FSDP: also weights) to host RAM (cpu) or NVMe.")
-    nvme_path: Optional[str] = Field(None, json_schema_extra=FREE, description="Folder for --offload nvme.")
-    zero_config: Optional[str] = Field(None, json_schema_extra=MATH, description="A full DeepSpeed JSON (bucket sizes, overlap, ...); batch sizes, clipping and the stage are set from the other options.")
-    nproc: Optional[int] = Field(None, json_schema_extra=FREE, description="Start N local processes (torchrun underneath). Not needed when launched by torchrun, deepspeed or accelerate.")
+    backend: str | None = Field(
+        None,
+        json_schema_extra={**MATH, "registry": "names"},
+        description="Training engine (see the README's compatibility matrix); default: the backend whose stage --zero names, "
+        "else one device.",
+    )
+    zero: int = Field(
+        0,
+        ge=0,
+        json_schema_extra={**MATH, "registry": "stages"},
+        description="DeepSpeed ZeRO stage (implies --backend deepspeed): 1 (shard optimizer states), 2 (also gradients), 3 "
+        "(also the base weights, partitioned while loading); 0 = no DeepSpeed.",
+    )
+    offload: Offload = Field(
+        "none",
+        json_schema_extra=MATH,
+        description="With ZeRO or FSDP: offload optimizer states (ZeRO-3 and FSDP: also weights) to host RAM (cpu); nvme is "
+        "refused, with the reason.",
+    )
+    zero_config: str | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="A full DeepSpeed JSON (bucket sizes, overlap, ...); batch sizes, clipping and the stage are set from the "
+        "other options.",
+    )
+    nproc: int | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=FREE,
+        description="Start N local processes (torchrun underneath). Not needed when launched by torchrun, deepspeed or accelerate.",
+    )
 
     # --- output ------------------------------------------------------------------------------
     output_dir: str = Field(json_schema_extra=FREE, description="Where the adapter, checkpoints and metrics go.")
-    save_steps: Optional[int] = Field(None, json_schema_extra=FREE, description="Write a checkpoint every N optimizer steps (default: only at the end).")
-    save_total_limit: Optional[int] = Field(None, json_schema_extra=FREE, description="Keep at most N checkpoints (the newest complete one is never removed).")
+    save_steps: int | None = Field(
+        None, gt=0, json_schema_extra=FREE, description="Write a checkpoint every N optimizer steps (default: only at the end)."
+    )
+    save_total_limit: int | None = Field(
+        None, gt=0, json_schema_extra=FREE, description="Keep at most N checkpoints (the newest complete one is never removed)."
+    )
     resume: bool = Field(False, json_schema_extra=FREE, description="Continue from the newest complete checkpoint in --output-dir.")
-    allow_config_change: bool = Field(False, json_schema_extra=FREE, description="On --resume, accept a configuration or dataset that differs from the checkpoint's.")
-    strict_memory: bool = Field(False, json_schema_extra=FREE, description="Refuse to start when the memory plan says the run will not fit (default: warn).")
-    logging_steps: int = Field(1, json_schema_extra=FREE, description="Write metrics every N optimizer steps.")
-    report_to: Literal["none", "tensorboard", "wandb"] = Field("none", json_schema_extra=FREE, description="Also send metrics to TensorBoard or Weights & Biases.")
-    verbose: bool = Field(False, json_schema_extra=FREE, description="Also show the libraries' own warnings and logs (hidden by default: they are about nothing you did).")
+    allow_config_change: bool = Field(
+        False, json_schema_extra=FREE, description="On --resume, accept a configuration or dataset that differs from the checkpoint's."
+    )
+    strict_memory: bool = Field(
+        False, json_schema_extra=FREE, description="Refuse to start when the memory plan says the run will not fit (default: warn)."
+    )
+    logging_steps: int = Field(1, gt=0, json_schema_extra=FREE, description="Write metrics every N optimizer steps.")
+    report_to: Literal["none", "tensorboard", "wandb"] = Field(
+        "none", json_schema_extra=FREE, description="Also send metrics to TensorBoard or Weights & Biases."
+    )
+    verbose: bool = Field(
+        False,
+        json_schema_extra=FREE,
+        description="Also show the libraries' own warnings and logs (hidden by default: they are about nothing you did).",
+    )
 
-    # --- validators: each message names the fix ------------------------------------------------
-    @field_validator("rank")
-    @classmethod
-    def _rank(cls, v):
-        if v <= 0:
-            raise ValueError(f"must be a positive integer (got {v}); typical values are 8, 16, 32, 64")
-        return v
-
-    @field_validator("lr")
-    @classmethod
-    def _lr(cls, v):
-        if not v > 0:
-            raise ValueError(f"must be > 0 (got {v}); LoRA usually trains with 1e-4 to 3e-4")
-        return v
-
-    @field_validator("max_seq_len", "micro_batch_size", "grad_accum", "logging_steps", "max_bad_steps", "eval_max_new_tokens")
-    @classmethod
-    def _positive(cls, v):
-        if v <= 0:
-            raise ValueError(f"must be a positive integer (got {v})")
-        return v
-
+    # --- validators: each message names the fix (bounds are the fields' own constraints) ---------
     @field_validator("data", "eval_data", mode="before")
     @classmethod
     def _sources(cls, v):
         return [v] if isinstance(v, (str, dict)) else v
-
-    @field_validator("data")
-    @classmethod
-    def _some_data(cls, v):
-        if v is not None and not v:
-            raise ValueError("give at least one source")
-        return v
-
-    @field_validator("max_steps", "save_steps", "eval_steps", "save_total_limit", "nproc", "data_workers")
-    @classmethod
-    def _positive_or_none(cls, v):
-        if v is not None and v <= 0:
-            raise ValueError(f"must be a positive integer (got {v}); leave it out to disable")
-        return v
-
-    @field_validator("dropout", "eval_split", "warmup_ratio")
-    @classmethod
-    def _fraction(cls, v):
-        if not 0.0 <= v < 1.0:
-            raise ValueError(f"must be in [0, 1) (got {v})")
-        return v
-
-    @field_validator("epochs")
-    @classmethod
-    def _epochs(cls, v):
-        if not v > 0:
-            raise ValueError(f"must be > 0 (got {v})")
-        return v
-
-    @field_validator("warmup_steps", "weight_decay", "max_grad_norm", "loss_chunk_size")
-    @classmethod
-    def _non_negative(cls, v):
-        if v is not None and v < 0:
-            raise ValueError(f"must be >= 0 (got {v})")
-        return v
 
     @field_validator("target_modules")
     @classmethod
@@ -210,13 +309,38 @@ def build_config(schema: type[BaseModel], file_values: dict[str, Any], flag_valu
         name = str(err["loc"][0]) if err["loc"] else ""
         if err["type"] == "missing":
             raise UserError(f"{flag(name)} is required (or `{name}:` in the --config file)") from None
-        msg = err["msg"].removeprefix("Value error, ")
         got = err.get("input")
-        if err["type"] == "literal_error":
-            msg = f"got {got!r}; {msg.lower()}"
-        elif "parsing" in err["type"] or err["type"].endswith("_type"):
-            msg = f"got {got!r}; {msg.lower()}"
+        field = schema.model_fields.get(name)
+        if err["type"] in BOUND_ERRORS and field is not None:
+            hint = (field.json_schema_extra or {}).get("hint") or ("leave it out to disable" if field.default is None else None)
+            msg = f"must be {bounds(field)} (got {got})" + (f"; {hint}" if hint else "")
+        elif err["type"] == "too_short":
+            msg = f"give at least one value (got {got!r})"
+        elif err["type"] == "literal_error" or "parsing" in err["type"] or err["type"].endswith("_type"):
+            msg = f"got {got!r}; {err['msg'].lower()}"
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
         raise UserError(f"{flag(name)}: {msg}") from None
+
+
+BOUND_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
+
+
+def bounds(field) -> str:
+    """A field's numeric constraints in words: 'a positive integer', 'in [0, 1)', '> 0', '>= 0'."""
+    found = {}
+    for m in field.metadata:
+        for kind in ("gt", "ge", "lt", "le"):
+            if isinstance(m, getattr(annotated_types, kind.capitalize())):
+                found[kind] = getattr(m, kind)
+    integer = field.annotation is int or int in getattr(field.annotation, "__args__", ())
+    if found == {"gt": 0} and integer:
+        return "a positive integer"
+    low = f"[{found['ge']}" if "ge" in found else f"({found['gt']}" if "gt" in found else None
+    high = f"{found['le']}]" if "le" in found else f"{found['lt']})" if "lt" in found else None
+    if low and high:
+        return f"in {low}, {high}"
+    return " and ".join(f"{op} {found[k]}" for k, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")) if k in found)
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -224,8 +348,6 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
 
 def parse_size(text: str | int, option: str) -> int:
     """'5GB' -> 5_000_000_000, '100MiB' -> 104_857_600; plain integers are bytes."""
-    import re
-
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
@@ -238,9 +360,15 @@ class MergeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     adapter: str = Field(description="Adapter folder written by `lora-tune train` (or any PEFT LoRA adapter).")
-    base: Optional[str] = Field(None, description="Base to merge into: alias, hub id or folder. Default: the base recorded in the adapter. Always its full-precision weights, also for adapters trained on 8-bit/4-bit bases.")
+    base: str | None = Field(
+        None,
+        description="Base to merge into: alias, hub id or folder. Default: the base recorded in the adapter. Always its "
+        "full-precision weights, also for adapters trained on 8-bit/4-bit bases.",
+    )
     output: str = Field(description="Folder for the merged model (written to a temporary folder, renamed at the end).")
-    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="Dtype of the merged weights (the arithmetic is fp32; one cast at the end).")
+    dtype: Literal["bf16", "fp16", "fp32"] = Field(
+        "bf16", description="Dtype of the merged weights (the arithmetic is fp32; one cast at the end)."
+    )
     max_shard_size: str = Field("5GB", description="Largest output shard, e.g. 5GB or 500MB.")
     verify: bool = Field(True, description="Check merged weights for NaN/inf and compare merged vs base + adapter outputs.")
     overwrite: bool = Field(False, description="Replace a non-empty --output folder.")
@@ -252,25 +380,25 @@ class ReportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run_dir: str = Field(description="Output folder of a training run (holds metrics.jsonl).")
-    output: Optional[str] = Field(None, description="Where to write the PNG (default: RUN_DIR/report.png).")
+    output: str | None = Field(None, description="Where to write the PNG (default: RUN_DIR/report.png).")
 
 
 class PlanConfig(TrainConfig):
     """`lora-tune plan` takes every `train` option (so a training YAML plans as it is) plus the
     hardware; data and output folder are not needed."""
 
-    data: Optional[list[Union[str, dict]]] = Field(None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused).")
-    output_dir: Optional[str] = Field(None, json_schema_extra=FREE, description="Not needed for planning.")
-    gpus: int = Field(1, description="GPUs per node.")
-    nodes: int = Field(1, description="Nodes.")
-    gpu_memory: str = Field("a100-80", description="Memory per GPU: a size (80GB, 24GiB) or a GPU name: t4, l4, a10g, rtx3090, rtx4090, a100-40, a100-80, h100-80, h200.")
-    cpu_memory: Optional[str] = Field(None, description="Host memory per node (e.g. 512GB); checked when given.")
+    data: list[str | dict] | None = Field(
+        None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused)."
+    )
+    output_dir: str | None = Field(None, json_schema_extra=FREE, description="Not needed for planning.")
+    gpus: int = Field(1, gt=0, description="GPUs per node.")
+    nodes: int = Field(1, gt=0, description="Nodes.")
+    gpu_memory: str = Field(
+        "a100-80",
+        description="Memory per GPU: a size (80GB, 24GiB) or a GPU name: t4, l4, a10g, rtx3090, rtx4090, a100-40, a100-80, h100-80, h200.",
+    )
+    cpu_memory: str | None = Field(None, description="Host memory per node (e.g. 512GB); checked when given.")
     print_json: bool = Field(False, json_schema_extra={"flag": "--json"}, description="Print the estimate as JSON (bytes per device).")
-    auto: bool = Field(False, description="Search precision x ZeRO x offload x checkpointing x micro-batch for the fastest setup that fits.")
-
-    @field_validator("gpus", "nodes")
-    @classmethod
-    def _count(cls, v):
-        if v <= 0:
-            raise ValueError(f"must be a positive integer (got {v})")
-        return v
+    auto: bool = Field(
+        False, description="Search precision x ZeRO x offload x checkpointing x micro-batch for the fastest setup that fits."
+    )

@@ -1,8 +1,8 @@
-"""The one exception type that means "the user gave us something we can't use".
+"""The exceptions the CLI turns into one line: `UserError` ("the user gave us something we can't
+use": `error: ...`, exit code 2) and `TrainingStopped` (a run that ended early but cleanly, with its
+own exit code). Anything else is a bug and keeps its traceback."""
 
-The CLI turns it into a single `error: ...` line and exit code 2; anything else is a bug and keeps
-its traceback.
-"""
+import difflib
 
 
 class UserError(Exception):
@@ -18,7 +18,21 @@ class UserError(Exception):
 
 def did_you_mean(word: str, choices) -> str:
     """' (did you mean X?)' for the closest choice, or '' when nothing is close."""
-    import difflib
-
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, for an `error:` line (its type when it says nothing)."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+class TrainingStopped(Exception):
+    """The run ended early but cleanly (signal, repeated NaN, a checkpoint that could not be
+    written, out of memory); carries the exit code and whether it is an error or a requested stop."""
+
+    def __init__(self, message: str, exit_code: int, label: str = "stopped"):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.label = label

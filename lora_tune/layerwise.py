@@ -13,14 +13,20 @@ caller falls back to a whole load and says so.
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
+import bitsandbytes as bnb
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
 
-from lora_tune.model_loading import WEIGHT_DTYPE
+from lora_tune import shards
+from lora_tune.errors import UserError
+from lora_tune.int8_sharded import ShardableLinear8bit
+from lora_tune.model_loading import WEIGHT_DTYPE, attention_implementation, load_config
 
 log = logging.getLogger("lora_tune")
 
@@ -34,51 +40,34 @@ class CheckpointReader:
     (no memory map): a file page touched through a map stays in this process's resident memory
     until the map closes, which would hold the whole checkpoint by the end of loading."""
 
-    DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-              "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
     def __init__(self, folder: str):
-        root = Path(folder)
-        index = root / "model.safetensors.index.json"
-        if index.is_file():
-            files = sorted({root / name for name in json.loads(index.read_text())["weight_map"].values()})
-        elif (root / "model.safetensors").is_file():
-            files = [root / "model.safetensors"]
-        else:
+        if shards.shard_files(Path(folder)) is None:
             raise NotStreamable(f"{folder} has no safetensors weights on this machine")
-        self.entries: dict[str, tuple[Path, int, str, list[int], int]] = {}  # key -> file, offset, dtype, shape, bytes
-        for path in files:
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            for key, info in header.items():
-                if key != "__metadata__":
-                    if info["dtype"] not in self.DTYPES:
-                        raise NotStreamable(f"{key} is stored as {info['dtype']}, which layer-by-layer loading does not read")
-                    start, end = info["data_offsets"]
-                    self.entries[key] = (path, 8 + size + start, info["dtype"], info["shape"], end - start)
+        self.entries = shards.read_headers(Path(folder))
+        unreadable = next((key for key, e in self.entries.items() if e.dtype not in shards.DTYPES), None)
+        if unreadable:
+            raise NotStreamable(f"{unreadable} is stored as {self.entries[unreadable].dtype}, which layer-by-layer loading does not read")
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
 
     def get(self, key: str) -> torch.Tensor:
-        import os
-
-        path, offset, dtype, shape, nbytes = self.entries[key]
-        buffer = bytearray(nbytes)
-        fd = os.open(path, os.O_RDONLY)
+        entry = self.entries[key]
+        buffer = bytearray(entry.nbytes)
+        fd = os.open(entry.file, os.O_RDONLY)
         try:
             view, done = memoryview(buffer), 0
-            while done < nbytes:
-                n = os.preadv(fd, [view[done:]], offset + done)
+            while done < entry.nbytes:
+                n = os.preadv(fd, [view[done:]], entry.offset + done)
                 if n == 0:
-                    raise OSError(f"{path} ends before {key} does (truncated file)")
+                    raise OSError(f"{entry.file} ends before {key} does (truncated file)")
                 done += n
         finally:
             os.close(fd)
-        if not nbytes:
-            return torch.empty(shape, dtype=self.DTYPES[dtype])
-        return torch.frombuffer(buffer, dtype=self.DTYPES[dtype]).reshape(shape)
+        dtype = shards.DTYPES[entry.dtype]
+        if not entry.nbytes:
+            return torch.empty(entry.shape, dtype=dtype)
+        return torch.frombuffer(buffer, dtype=dtype).reshape(entry.shape)
 
 
 def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
@@ -96,17 +85,22 @@ def checkpoint_key(name: str) -> str:
     return name.removeprefix("peft_model.").removeprefix("base_model.model.").replace(".base_layer.", ".")
 
 
-def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quant_storage: torch.dtype | None = None,
-                   shardable_int8: bool = False, attn_implementation: str = "sdpa"):
+def build_skeleton(
+    base_path: str,
+    precision: str,
+    trust_remote_code: bool,
+    quant_storage: torch.dtype | None = None,
+    shardable_int8: bool = False,
+    attn_implementation: str = "sdpa",
+):
     """(model on the meta device, reader of its checkpoint). The model has bitsandbytes layers in place of the block linears when
     quantized; it holds no memory. Raises NotStreamable when the checkpoint's names don't match."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
     reader = CheckpointReader(base_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code,
-                                                 attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
+        )
     model.config.use_cache = False
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = [k for k in model.state_dict() if k not in reader and k not in tied]
@@ -119,44 +113,72 @@ def build_skeleton(base_path: str, precision: str, trust_remote_code: bool, quan
     return model, reader
 
 
+def streamed_skeleton(base_path: str, cfg, device: torch.device, refused: str, fix: str):
+    """The skeleton and reader a sharding backend streams (4-bit as bf16 words, 8-bit as the
+    shardable int8 layer); a checkpoint that can't be streamed is one error line: `refused` names
+    the setup, `fix` what to use instead."""
+    try:
+        attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), device)
+        return build_skeleton(
+            base_path,
+            cfg.precision,
+            cfg.trust_remote_code,
+            quant_storage=torch.bfloat16,
+            shardable_int8=True,
+            attn_implementation=attention,
+        )
+    except NotStreamable as e:
+        raise UserError(f"{refused}: {base_path} can't be loaded layer by layer ({e}); {fix}") from None
+
+
 def _quantized_linears(model, precision: str, quant_storage: torch.dtype | None, shardable_int8: bool) -> None:
     """Swap every nn.Linear of the decoder layers for its bitsandbytes twin (still on meta); the
     head and embeddings stay in the compute dtype, as transformers' bitsandbytes integration keeps them."""
-    import bitsandbytes as bnb
-
-    from lora_tune.int8_sharded import ShardableLinear8bit
-
-    from transformers.pytorch_utils import Conv1D
-
     for _, layer in decoder_layers(model):
         for name, child in list(layer.named_modules()):
             if isinstance(child, Conv1D):
                 # transformers transposes these into bitsandbytes layers while loading; streamed
                 # here they would stay unquantized, so they are not streamed at all.
-                raise NotStreamable(f"{type(layer).__name__} has GPT-2-style Conv1D layers, which are quantized only by transformers' whole-model loading")
+                raise NotStreamable(
+                    f"{type(layer).__name__} has GPT-2-style Conv1D layers, which are quantized only by transformers' whole-model loading"
+                )
             if type(child) is not torch.nn.Linear:
                 continue
             parent = layer.get_submodule(name.rsplit(".", 1)[0]) if "." in name else layer
             with torch.device("meta"):
                 if precision == "4bit":
-                    new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None, compute_dtype=torch.bfloat16,
-                                            compress_statistics=True, quant_type="nf4", quant_storage=quant_storage or torch.uint8)
+                    new = bnb.nn.Linear4bit(
+                        child.in_features,
+                        child.out_features,
+                        bias=child.bias is not None,
+                        compute_dtype=torch.bfloat16,
+                        compress_statistics=True,
+                        quant_type="nf4",
+                        quant_storage=quant_storage or torch.uint8,
+                    )
                 elif shardable_int8:
                     new = ShardableLinear8bit(child.in_features, child.out_features, bias=child.bias is not None)
                 else:
-                    new = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False, threshold=6.0)
+                    new = bnb.nn.Linear8bitLt(
+                        child.in_features, child.out_features, bias=child.bias is not None, has_fp16_weights=False, threshold=6.0
+                    )
             setattr(parent, name.rsplit(".", 1)[-1], new)
 
 
 def _set_weight(module, name: str, value: torch.Tensor, device: torch.device) -> None:
     """Put a checkpoint tensor into the module, quantizing it on the device where the module is a
     bitsandbytes layer (the same calls transformers' integration makes)."""
-    import bitsandbytes as bnb
-
     old = getattr(module, name)
     if isinstance(module, bnb.nn.Linear4bit) and name == "weight":
-        new = bnb.nn.Params4bit(value, requires_grad=False, blocksize=old.blocksize, compress_statistics=old.compress_statistics,
-                                quant_type=old.quant_type, quant_storage=old.quant_storage, module=module).to(device)
+        new = bnb.nn.Params4bit(
+            value,
+            requires_grad=False,
+            blocksize=old.blocksize,
+            compress_statistics=old.compress_statistics,
+            quant_type=old.quant_type,
+            quant_storage=old.quant_storage,
+            module=module,
+        ).to(device)
     elif isinstance(module, bnb.nn.Linear8bitLt) and name == "weight":
         module.weight = bnb.nn.Int8Params(value, requires_grad=False, has_fp16_weights=False).to(device)
         if hasattr(module, "take_quantized"):
@@ -193,8 +215,15 @@ def fill(unit: torch.nn.Module, unit_name: str, reader: CheckpointReader, config
                 module.register_buffer(n, getattr(fresh, n), persistent=n not in module._non_persistent_buffers_set)
 
 
-def load_layer_by_layer(skeleton, reader: CheckpointReader, device: torch.device, precision: str, init_adapter: Callable[[torch.nn.Module, str], None],
-                        partition: Callable[[torch.nn.Module], None], partition_root: Callable[[torch.nn.Module], None]) -> None:
+def load_layer_by_layer(
+    skeleton,
+    reader: CheckpointReader,
+    device: torch.device,
+    precision: str,
+    init_adapter: Callable[[torch.nn.Module, str], None],
+    partition: Callable[[torch.nn.Module], None],
+    partition_root: Callable[[torch.nn.Module], None],
+) -> None:
     """Fill the (adapter-injected) skeleton: each decoder layer, then its adapter weights
     (`init_adapter`), then `partition(layer)`; the remaining modules last, then `partition_root`."""
     dtype = WEIGHT_DTYPE[precision]

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-IGNORE = -100
+IGNORE = -100  # the label of a position with no loss (prompt, padding): PyTorch's and transformers' convention
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -62,8 +62,15 @@ def auto_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
     return max(1, 1 << max(0, math.ceil(math.log2(max(1, math.ceil(tokens / math.ceil(vocab / hidden)))))))
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, divisor: float,
-                         chunk_size: int, softcap: float | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    divisor: float,
+    chunk_size: int,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """sum over label tokens of -log softmax(hidden @ weight.T + bias)[target] / divisor, computed
     `chunk_size` tokens at a time. `hidden` is [tokens, hidden], `targets` [tokens] with IGNORE for
     no label."""
@@ -100,8 +107,13 @@ class CausalLMLoss(torch.nn.Module):
 
     def forward(self, input_ids, labels, num_items_in_batch, attention_mask=None, position_ids=None):
         if self.chunk_size == 0:
-            return self.peft_model(input_ids=input_ids, labels=labels, attention_mask=attention_mask, position_ids=position_ids,
-                                   num_items_in_batch=num_items_in_batch).loss
+            return self.peft_model(
+                input_ids=input_ids,
+                labels=labels,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                num_items_in_batch=num_items_in_batch,
+            ).loss
         hf_model = self.peft_model.get_base_model()
         body = getattr(hf_model, hf_model.base_model_prefix)  # the decoder without its head
         hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state

@@ -24,14 +24,34 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import logging as hf_logging
 
+from lora_tune import shards
+from lora_tune.adapter import meta_model
+from lora_tune.aliases import resolve_base
 from lora_tune.config import MergeConfig, parse_size
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
+from lora_tune.model_loading import load_config, model_class
 
 log = logging.getLogger("lora_tune")
 
 OUT_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # Relative drift (max |merged - reference| / max |reference|) accepted per output dtype: fp32 is
 # exact up to summation order; bf16/fp16 carry the rounding of the final cast.
 TOLERANCE = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 4e-2}
@@ -51,9 +71,6 @@ class LoraModule:
 
 # --- inputs --------------------------------------------------------------------------------------
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     if not adapter_dir.is_dir():
         raise UserError(f"--adapter: {adapter_dir} does not exist; give the --output-dir of a training run")
     config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
@@ -72,11 +89,12 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def pattern_value(patterns: dict, module_name: str, default):
-    """peft's rule for rank_pattern / alpha_pattern keys (peft.utils.other.get_pattern_key)."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_name):
-            return patterns[key]
-    return default
+    """A rank_pattern / alpha_pattern value for one module, by peft's own matching rule."""
+    if not patterns:
+        return default
+    from peft.utils.other import get_pattern_key  # noqa: PLC0415 - start-up time: peft costs seconds; only patterned adapters need it
+
+    return patterns.get(get_pattern_key(list(patterns), module_name), default)
 
 
 def lora_modules(config: dict, weights: dict[str, torch.Tensor]) -> tuple[dict[str, LoraModule], dict[str, torch.Tensor]]:
@@ -104,52 +122,28 @@ def lora_modules(config: dict, weights: dict[str, torch.Tensor]) -> tuple[dict[s
 
 def base_folder(base: str) -> Path:
     """A local folder holding the base's safetensors (downloaded from the hub when an id)."""
-    from lora_tune.aliases import resolve_base
-
     resolved = resolve_base(base)
     path = Path(resolved)
     if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
         try:
             path = Path(snapshot_download(resolved, allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"]))
         except Exception as e:  # noqa: BLE001 - hub errors come in many types
-            raise UserError(f"--base: could not fetch {resolved} ({str(e).splitlines()[0]}); check the id, your network or HF_TOKEN, or pass a local folder") from None
+            raise UserError(
+                f"--base: could not fetch {resolved} ({first_line(e)}); check the id, your network or HF_TOKEN, or pass a local folder"
+            ) from None
     if not list(path.glob("*.safetensors")):
         raise UserError(f"--base: {path} has no .safetensors weights; convert the base to safetensors first")
     return path
-
-
-def base_shards(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / f for f in files]
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
-    raise UserError(f"--base: {folder} has neither model.safetensors nor model.safetensors.index.json")
 
 
 def transposed_weights(base: Path, trust_remote_code: bool) -> set[str] | None:
     """Names of the weights stored (in, out) on disk: those of Conv1D modules (GPT-2 style), read
     from the base's own architecture (a meta skeleton). The adapter's `fan_in_fan_out` flag can't
     be trusted for this: a quantized base turns Conv1D into Linear during training and saves False.
-    None when the architecture can't be built here (remote code): the flag decides then."""
-    import importlib.util
-
-    model_type = json.loads((base / "config.json").read_text()).get("model_type", "")
-    spec = importlib.util.find_spec("transformers")
-    modeling = Path(spec.origin).parent / "models" / model_type.replace("-", "_") / f"modeling_{model_type.replace('-', '_')}.py"
-    if not modeling.is_file():
+    None when the architecture isn't one of transformers' own (remote code): the flag decides then."""
+    config = load_config(str(base), trust_remote_code)
+    if model_class(config) is None:
         return None
-    if "Conv1D" not in modeling.read_text():
-        return set()  # no Conv1D anywhere in this family's code: skip importing transformers (seconds)
-    from transformers import AutoConfig
-    from transformers.pytorch_utils import Conv1D
-
-    from lora_tune.adapter import meta_model
-
-    config = AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
     return {f"{name}.weight" for name, m in meta_model(config).named_modules() if isinstance(m, Conv1D)}
 
 
@@ -160,7 +154,10 @@ def merged_weight(weight: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, 
     a, b = lora.a.float(), lora.b.float()
     out_features, in_features = (w.shape[1], w.shape[0]) if fan_in_fan_out else (w.shape[0], w.shape[1])
     if a.shape[1] != in_features or b.shape[0] != out_features or a.shape[0] != b.shape[1]:
-        raise UserError(f"--base: {name} has shape {tuple(w.shape)} but the adapter has A {tuple(a.shape)}, B {tuple(b.shape)}; this adapter was trained on another base")
+        raise UserError(
+            f"--base: {name} has shape {tuple(w.shape)} but the adapter has A {tuple(a.shape)}, B {tuple(b.shape)}; this "
+            "adapter was trained on another base"
+        )
     delta = b @ a
     delta = (delta.T if fan_in_fan_out else delta) * lora.scale
     if lora.magnitude is None:
@@ -172,11 +169,6 @@ def merged_weight(weight: torch.Tensor, lora: LoraModule, fan_in_fan_out: bool, 
     factor = (lora.magnitude.float() / norm).view(-1, 1)
     factor = factor.T if fan_in_fan_out else factor
     return factor * (w + delta)
-
-
-# safetensors' on-disk dtype names, and their item sizes.
-_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-_FROM_ST = {v: k for k, v in _ST_DTYPE.items()}
 
 
 @dataclass
@@ -191,22 +183,19 @@ class PlannedTensor:
         return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
 
 
-def plan_output(shards: list[Path], out_dtype: torch.dtype, max_bytes: int) -> list[list[PlannedTensor]]:
+def plan_output(shards_: list[Path], out_dtype: torch.dtype, max_bytes: int) -> list[list[PlannedTensor]]:
     """Group every base tensor, in order, into output shards of at most max_bytes, from the
     safetensors headers alone (nothing is loaded)."""
-    from safetensors import SafetensorError, safe_open
-
     groups: list[list[PlannedTensor]] = [[]]
     size = 0
-    for shard in shards:
-        try:
-            with safe_open(str(shard), framework="pt") as handle:
-                entries = [(name, handle.get_slice(name)) for name in handle.keys()]
-                entries = [(name, list(sl.get_shape()), _FROM_ST[sl.get_dtype()]) for name, sl in entries]
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"--base: shard {shard} is unreadable or truncated ({e})") from None
-        for name, shape, dtype in entries:
-            tensor = PlannedTensor(name, shard, shape, out_dtype if dtype.is_floating_point else dtype)
+    for shard in shards_:
+        for name, entry in shards.read_header(shard).items():
+            dtype = shards.DTYPES.get(entry.dtype)
+            if dtype is None:
+                raise UserError(
+                    f"--base: {name} in {shard} is stored as {entry.dtype}, which merge does not read; convert the base to bf16/fp16/fp32"
+                )
+            tensor = PlannedTensor(name, shard, list(entry.shape), out_dtype if dtype.is_floating_point else dtype)
             if groups[-1] and size + tensor.nbytes > max_bytes:
                 groups.append([])
                 size = 0
@@ -220,7 +209,7 @@ def write_shard(path: Path, planned: list[PlannedTensor], produce) -> None:
     merged tensor goes to disk as soon as it is computed and is then dropped."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for t in planned:
-        header[t.name] = {"dtype": _ST_DTYPE[t.dtype], "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {"dtype": shards.NAMES[t.dtype], "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
@@ -271,9 +260,7 @@ def relative_drift(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code: bool) -> float:
     """Whole model: logits of the merged folder vs base (fp32) + adapter through peft."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from peft import PeftModel  # noqa: PLC0415 - start-up time: peft costs seconds; only verification needs it
 
     hf_logging.disable_progress_bar()
     reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -337,8 +324,6 @@ class TensorMerger:
         self.shard = None
 
     def _read(self, t: PlannedTensor) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
-
         try:
             if t.source != self.shard_path:  # tensors arrive in shard order: one shard open at a time
                 self.shard, self.shard_path = safe_open(str(t.source), framework="pt"), t.source
@@ -379,9 +364,7 @@ def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig
     checkpoint stores under other names and shapes than the loaded model (transformers 5 fuses
     MoE experts and renames routers on load). save_pretrained writes them back in the checkpoint's
     own layout. Checked on the spot: logits of base + adapter vs the merged model. Returns the drift."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+    from peft import PeftModel  # noqa: PLC0415 - start-up time: peft costs seconds; only verification needs it
 
     hf_logging.disable_progress_bar()
     dtype = OUT_DTYPE[cfg.dtype]
@@ -420,23 +403,31 @@ def run(cfg: MergeConfig) -> Path:
         raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
     base = base_folder(base_ref)
     dtype = OUT_DTYPE[cfg.dtype]
-    shards = base_shards(base)
+    base_files = shards.shard_files(base)
+    if base_files is None:
+        raise UserError(f"--base: {base} has neither model.safetensors nor model.safetensors.index.json")
     if config.get("target_parameters"):
-        n_params = sum(math.prod(t.shape) for group in plan_output(shards, dtype, max_bytes) for t in group)
-        log.warning("merge: the adapter adapts %s (fused tensors that the checkpoint stores under other names, e.g. per expert); "
-                    "merging through transformers with the whole model in host memory (~%.1f GB)",
-                    ", ".join(config["target_parameters"]), n_params * dtype.itemsize / 1e9)
+        n_params = sum(math.prod(t.shape) for group in plan_output(base_files, dtype, max_bytes) for t in group)
+        log.warning(
+            "merge: the adapter adapts %s (fused tensors that the checkpoint stores under other names, e.g. per expert); "
+            "merging through transformers with the whole model in host memory (~%.1f GB)",
+            ", ".join(config["target_parameters"]),
+            n_params * dtype.itemsize / 1e9,
+        )
         return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
     modules, replacements = lora_modules(config, weights)
     transposed = transposed_weights(base, cfg.trust_remote_code)
     if transposed is None:
         transposed = set(modules) if config.get("fan_in_fan_out") else set()
 
-    groups = plan_output(shards, dtype, max_bytes)
+    groups = plan_output(base_files, dtype, max_bytes)
     planned_names = {t.name for group in groups for t in group}
     missing = sorted((set(modules) | set(replacements)) - planned_names)
     if missing:
-        raise UserError(f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this adapter was trained on another base")
+        raise UserError(
+            f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this "
+            "adapter was trained on another base"
+        )
 
     def stream(tmp: Path) -> float | None:
         t0 = time.perf_counter()
@@ -447,7 +438,9 @@ def run(cfg: MergeConfig) -> Path:
         merger.close()
         write_index(tmp, groups, names)
         total = sum(t.nbytes for group in groups for t in group)
-        log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, len(modules), time.perf_counter() - t0)
+        log.info(
+            "wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, len(modules), time.perf_counter() - t0
+        )
         if not cfg.verify:
             return None
         drift = max(merger.layer_drifts, default=0.0)
@@ -473,7 +466,10 @@ def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) ->
         if drift is not None:
             tolerance = TOLERANCE[cfg.dtype]
             if not drift <= tolerance:
-                raise UserError(f"verification failed: merged model drifts {drift:.2e} from base + adapter (tolerance {tolerance:.0e}); nothing was written")
+                raise UserError(
+                    f"verification failed: merged model drifts {drift:.2e} from base + adapter (tolerance {tolerance:.0e}); "
+                    "nothing was written"
+                )
             log.info("verified: drift %.2e within tolerance %.0e for %s", drift, tolerance, cfg.dtype)
         if out.exists():  # --overwrite: swap, so the old folder is only gone once the new one is in place
             old = out.parent / f".{out.name}.old-{os.getpid()}"
@@ -484,7 +480,11 @@ def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) ->
             os.replace(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(f"--output: could not write the merged model under {out.parent} ({e.strerror or e}); nothing was left behind. Free space or choose another --output", exit_code=1) from None
+        raise UserError(
+            f"--output: could not write the merged model under {out.parent} ({e.strerror or e}); nothing was left behind. Free "
+            "space or choose another --output",
+            exit_code=1,
+        ) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -3,6 +3,7 @@ and the progress bar. Non-finite losses are written as they are (as strings), ne
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import resource
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from lora_tune.errors import UserError
 
@@ -37,8 +39,6 @@ def check_reporter(report_to: str) -> None:
     module = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(report_to)
     if module is None:
         return
-    import importlib.util
-
     if importlib.util.find_spec(module) is None:
         raise UserError(f"--report-to {report_to}: the '{module}' package is not installed; pip install {module}, or use --report-to none")
 
@@ -54,11 +54,11 @@ class MetricsLog:
         self.file = self.path.open("a")
         self.tb = self.wandb = None
         if report_to == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency (tensorboard)
 
             self.tb = SummaryWriter(str(output_dir / "tensorboard"))
         elif report_to == "wandb":
-            import wandb
+            import wandb  # noqa: PLC0415 - optional dependency (wandb)
 
             self.wandb = wandb.init(config=config, dir=str(output_dir), resume="allow")
 
@@ -77,7 +77,7 @@ class MetricsLog:
                 self.tb.add_text("samples", "\n\n".join(f"**{s['prompt']}**\n\n{s['completion']}" for s in samples), step)
         if self.wandb:
             if samples:
-                import wandb
+                import wandb  # noqa: PLC0415 - optional dependency (wandb)
 
                 numbers["samples"] = wandb.Table(columns=["prompt", "completion"], data=[[s["prompt"], s["completion"]] for s in samples])
             self.wandb.log(numbers, step=step)
@@ -94,8 +94,6 @@ class Progress:
     """tqdm bar over optimizer steps: loss, tokens/s, peak memory; tqdm computes the ETA."""
 
     def __init__(self, total: int, initial: int):
-        from tqdm import tqdm
-
         self.bar = tqdm(total=total, initial=initial, unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 
     def update(self, loss: float, tokens_per_s: float, peak_bytes: int) -> None:

@@ -35,13 +35,17 @@ def summary(rows: list[dict]) -> str:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     speeds = [number(r["tokens_per_s"]) for r in steps[1:] or steps]  # the first step includes warm-up
-    lines = [f"steps: {steps[-1]['step']}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
-             f"tokens: {steps[-1].get('tokens_seen', 0):,}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; "
-             f"peak memory {max(r.get('peak_memory_bytes', 0) for r in steps) / 2**30:.2f} GiB"]
+    lines = [
+        f"steps: {steps[-1]['step']}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
+        f"tokens: {steps[-1].get('tokens_seen', 0):,}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; "
+        f"peak memory {max(r.get('peak_memory_bytes', 0) for r in steps) / 2**30:.2f} GiB",
+    ]
     if evals:
         best = min(evals, key=lambda r: number(r["eval_loss"]))
-        lines.append(f"eval loss: last {number(evals[-1]['eval_loss']):.4f} (perplexity {number(evals[-1]['eval_ppl']):.2f}); "
-                     f"best {number(best['eval_loss']):.4f} at step {best['step']}")
+        lines.append(
+            f"eval loss: last {number(evals[-1]['eval_loss']):.4f} (perplexity {number(evals[-1]['eval_ppl']):.2f}); "
+            f"best {number(best['eval_loss']):.4f} at step {best['step']}"
+        )
     skipped = sum(1 for r in steps if r.get("skipped"))
     if skipped:
         lines.append(f"skipped steps (NaN/inf): {skipped}")
@@ -52,31 +56,51 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], png: Path) -> None:
-    try:
-        import matplotlib
+PANELS = {
+    "loss": ("loss", 1),
+    "lr": ("learning rate", 1),
+    "tokens_per_s": ("tokens / s", 1),
+    "peak_memory_bytes": ("peak memory (GiB)", 2**30),
+}
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def pyplot(headless: bool = True):
+    """matplotlib's pyplot (an optional extra; `headless`: drawing to files only), or the one-line
+    error that says how to get it."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional dependency: the [report] extra
+
+        if headless:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415 - optional dependency, after choosing the backend
     except ImportError:
         raise UserError('report: the plot needs matplotlib; pip install matplotlib (or "lora-tune[report]")') from None
+    return plt
+
+
+def draw(axes: dict, rows: list[dict]) -> None:
+    """Each named panel (a key of PANELS) of the metrics records onto its matplotlib axes; the loss
+    panel also shows the eval loss."""
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     x = [r["step"] for r in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    ax = axes[0][0]
-    ax.plot(x, [number(r["loss"]) for r in steps], label="train loss")
-    if evals:
-        ax.plot([r["step"] for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
-    ax.set_title("loss")
-    ax.legend()
-    for ax, key, title, scale in ((axes[0][1], "lr", "learning rate", 1), (axes[1][0], "tokens_per_s", "tokens / s", 1),
-                                  (axes[1][1], "peak_memory_bytes", "peak memory (GiB)", 2**30)):
-        ax.plot(x, [number(r.get(key)) / scale for r in steps])
+    for key, ax in axes.items():
+        title, scale = PANELS[key]
+        ax.clear()
+        ax.plot(x, [number(r.get(key)) / scale for r in steps], label="train loss" if key == "loss" else None)
+        if key == "loss" and evals:
+            ax.plot([r["step"] for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
+        if key == "loss":
+            ax.legend()
         ax.set_title(title)
-    for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
+
+
+def plot(rows: list[dict], png: Path) -> None:
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    draw(dict(zip(PANELS, axes.flat)), rows)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 # A Llama-3-style template: every assistant turn ends with the EOS token, so a model trained on it
 # learns to stop. It is the template `tiny-llama` ships with.
@@ -23,7 +25,12 @@ TINY_CHAT_TEMPLATE = (
 
 _CORPUS = [
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
-    "### Instruction:", "### Input:", "### Response:", "### System:", "### User:", "### Assistant:",
+    "### Instruction:",
+    "### Input:",
+    "### Response:",
+    "### System:",
+    "### User:",
+    "### Assistant:",
     "The quick brown fox jumps over the lazy dog.",
     "What is the capital of France? The capital of France is Paris.",
     "Translate to French: good morning. Bonjour.",
@@ -37,9 +44,6 @@ _CORPUS = [
 
 def train_tiny_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer with <s>, </s>, <pad>, trained on a fixed corpus (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -52,19 +56,13 @@ def train_tiny_tokenizer(vocab_size: int = 512):
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     bos = tok.token_to_id("<s>")
     # Like Llama, BOS is prepended by the tokenizer itself; EOS is appended by the data stage.
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
 
 
 def tiny_llama_config(vocab_size: int, **overrides):
-    from transformers import LlamaConfig
-
     kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -85,8 +83,6 @@ def tiny_llama_config(vocab_size: int, **overrides):
 
 def build_tiny_llama(out_dir: str | Path, seed: int = 0, with_chat_template: bool = True, **config_overrides) -> Path:
     """Write a loadable tiny Llama (safetensors weights + tokenizer) to `out_dir` and return it."""
-    from transformers import LlamaForCausalLM
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tiny_tokenizer()
@@ -97,7 +93,5 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0, with_chat_template: boo
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})
-    )
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
     return out

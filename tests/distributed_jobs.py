@@ -18,11 +18,12 @@ import shutil
 import sys
 import traceback
 
+import torch
+
+from lora_tune.cli import main as cli_main
+
 
 def main(jobs_file: str) -> None:
-    import torch
-
-    from lora_tune.cli import main as cli_main
 
     rank = int(os.environ["RANK"])
     jobs = json.loads(open(jobs_file).read())

@@ -8,22 +8,40 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GPT2Config,
+    GPTNeoXConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from lora_tune.tiny_model import train_tiny_tokenizer
+
 # Gemma's and Mistral's templates refuse a system turn (and insist on user/assistant alternation).
 NO_SYSTEM_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
-    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-    "{% if m['role'] == 'user' %}<user>{{ m['content'] }}\n{% else %}<bot>{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n{% endif %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if m['role'] == 'user' %}<user>{{ m['content'] }}\n{% else %}<bot>{% generation %}{{ m['content'] }}{{ eos_token }}{% "
+    "endgeneration %}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<bot>{% endif %}"
 )
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SMALL = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256
+)
 IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def family_configs(vocab: int) -> dict:
-    from transformers import (Gemma2Config, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
 
     return {
         "llama": LlamaConfig(vocab_size=vocab, **SMALL, **IDS),
@@ -57,10 +75,6 @@ EXPECTED_TARGETS = {
 
 
 def build_family(name: str, out: Path, seed: int = 0) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from lora_tune.tiny_model import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer()
     if name in NO_SYSTEM_ROLE:

@@ -3,28 +3,42 @@
 from __future__ import annotations
 
 import pytest
+from huggingface_hub import constants
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from lora_tune.aliases import ALIASES, architecture, resolve_base
-from lora_tune.planner import Architecture
 from lora_tune.errors import UserError
+from lora_tune.planner.architecture import Architecture
 
-from conftest import run_cli
+from helpers import run_cli
 
-REQUIRED = ["llama-70b", "llama-8b", "llama2-7b", "llama2-13b", "llama2-70b", "mistral-7b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "mixtral-8x7b", "gemma2-9b", "phi3-mini"]
+REQUIRED = (
+    "llama-70b llama-8b llama2-7b llama2-13b llama2-70b mistral-7b qwen2.5-7b qwen2.5-72b qwen3-8b mixtral-8x7b gemma2-9b phi3-mini".split()
+)
 # Published parameter counts (model cards, safetensors metadata), in billions.
-PUBLISHED = {"llama-70b": 70.55, "llama-8b": 8.03, "llama2-7b": 6.74, "llama2-13b": 13.02, "llama2-70b": 68.98, "mistral-7b": 7.24, "qwen2.5-7b": 7.62,
-             "qwen2.5-72b": 72.7, "qwen3-8b": 8.19, "mixtral-8x7b": 46.70, "gemma2-9b": 9.24, "phi3-mini": 3.82}
+PUBLISHED = {
+    "llama-70b": 70.55,
+    "llama-8b": 8.03,
+    "llama2-7b": 6.74,
+    "llama2-13b": 13.02,
+    "llama2-70b": 68.98,
+    "mistral-7b": 7.24,
+    "qwen2.5-7b": 7.62,
+    "qwen2.5-72b": 72.7,
+    "qwen3-8b": 8.19,
+    "mixtral-8x7b": 46.70,
+    "gemma2-9b": 9.24,
+    "phi3-mini": 3.82,
+}
 
 
 @pytest.mark.parametrize("alias", REQUIRED)
 def test_alias_architecture_builds_a_transformers_config(alias):
-    from transformers import AutoConfig
-
     arch = architecture(alias)
     config = AutoConfig.for_model(**arch)
     assert config.num_hidden_layers == arch["num_hidden_layers"]
     assert "/" in ALIASES[alias].hub_id
-    assert Architecture.from_config(arch).total_params() / 1e9 == pytest.approx(PUBLISHED[alias], rel=0.002)
+    assert Architecture.from_config(arch).total / 1e9 == pytest.approx(PUBLISHED[alias], rel=0.002)
 
 
 def test_unknown_alias_suggests_close_one():
@@ -39,8 +53,6 @@ def test_missing_base_directory_is_named(tmp_path):
 
 def cached_hub_model(monkeypatch, tmp_path, repo_id: str) -> None:
     """A hub cache (offline) that holds `repo_id`, laid out the way huggingface_hub writes it."""
-    from huggingface_hub import constants
-
     snapshot = tmp_path / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
@@ -59,15 +71,15 @@ def test_hub_ids_and_folders_pass_through(tiny_model, tmp_path, monkeypatch):
 
 def test_hub_ids_missing_offline_fail_at_once(tmp_path, monkeypatch):
     cached_hub_model(monkeypatch, tmp_path, "meta-llama/Llama-3.1-8B")
-    with pytest.raises(UserError, match=r"^--base: the model Qwen/Qwen2.5-7B is not in the local Hugging Face cache and offline mode is on"):
+    with pytest.raises(
+        UserError, match=r"^--base: the model Qwen/Qwen2.5-7B is not in the local Hugging Face cache and offline mode is on"
+    ):
         resolve_base("Qwen/Qwen2.5-7B")
     with pytest.raises(UserError, match="^--base: the model Qwen/Qwen2.5-7B is not in the local"):
         resolve_base("qwen2.5-7b")
 
 
 def test_models_command_lists_every_alias_with_its_size(capsys, tiny_model):
-    from transformers import AutoModelForCausalLM
-
     code, out, _ = run_cli(["models"], capsys)
     assert code == 0
     rows = {line.split()[0]: line.split()[2] for line in out.splitlines()[1:]}

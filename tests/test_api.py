@@ -10,36 +10,40 @@ import torch
 
 import lora_tune
 
-from conftest import fast_train_args, run_cli, single_error_line
+from helpers import ALPACA, FAST, fast_train_args, run_cli, single_error_line, write_jsonl
 
 
 def options(**overrides) -> dict:
     """fast_train_args' options as API keywords."""
-    base = {"precision": "fp32", "rank": 4, "lr": 5e-3, "max_steps": 4, "micro_batch_size": 2, "max_seq_len": 128, "optim": "adamw", "seed": 7}
-    return {**base, **overrides}
+    return {**FAST, **overrides}
 
 
 @pytest.fixture(scope="module")
 def api_run(tiny_model, tmp_path_factory):
-    from conftest import ALPACA, write_jsonl
-
     folder = tmp_path_factory.mktemp("api")
     data = write_jsonl(folder / "alpaca.jsonl", ALPACA)
-    result = lora_tune.train(base=str(tiny_model), data=str(data), output_dir=str(folder / "run"), eval_split=0.25, eval_steps=2, **options())
+    result = lora_tune.train(
+        base=str(tiny_model), data=str(data), output_dir=str(folder / "run"), eval_split=0.25, eval_steps=2, **options()
+    )
     return result, data, folder
 
 
 def test_train_returns_the_run_and_equals_the_cli(api_run, tiny_model, capsys):
     result, data, folder = api_run
     assert result.steps == 4 and result.adapter_dir == folder / "run" and (result.adapter_dir / "adapter_model.safetensors").is_file()
-    assert result.eval_loss is not None and result.final_loss == result.metrics[[i for i, r in enumerate(result.metrics) if "loss" in r][-1]]["loss"]
+    assert (
+        result.eval_loss is not None
+        and result.final_loss == result.metrics[[i for i, r in enumerate(result.metrics) if "loss" in r][-1]]["loss"]
+    )
     code, _, err = run_cli(fast_train_args(tiny_model, data, folder / "cli", eval_split=0.25, eval_steps=2), capsys)
     assert code == 0, err
     cli = [json.loads(line) for line in (folder / "cli" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("loss") for r in cli] == [r.get("loss") for r in result.metrics]
 
 
-@pytest.mark.parametrize("bad", [dict(rank=0), dict(precision="int3"), dict(base="llama-7b"), dict(data="/no/such.jsonl"), dict(nonsense=1)])
+@pytest.mark.parametrize(
+    "bad", [dict(rank=0), dict(precision="int3"), dict(base="llama-7b"), dict(data="/no/such.jsonl"), dict(nonsense=1)]
+)
 def test_bad_input_raises_the_cli_message(bad, tiny_model, data_files, tmp_path, capsys):
     kwargs = {"base": str(tiny_model), "data": str(data_files["text"]), "output_dir": str(tmp_path / "out"), **options(), **bad}
     with pytest.raises(lora_tune.UserError) as raised:
@@ -59,7 +63,7 @@ def test_bad_input_raises_the_cli_message(bad, tiny_model, data_files, tmp_path,
 
 def test_plan_returns_the_json_numbers(capsys):
     plan = lora_tune.plan(base="llama-8b", precision="4bit", gpu_memory="rtx4090")
-    code, out, _ = run_cli(["plan", "--base", "llama-8b", "--precision", "4bit", "--gpu-memory", "rtx4090", "--json"], capsys)
+    code, out, _ = run_cli([*"plan --base llama-8b --precision 4bit --gpu-memory rtx4090 --json".split()], capsys)
     assert code == 0 and plan.to_json() == json.loads(out) and plan.fits is True and "fits in 23.6 GiB" in plan.text
     auto = lora_tune.plan(base="llama-8b", gpu_memory="rtx4090", auto=True)
     assert auto.recommended["command"].startswith("lora-tune train --base llama-8b")
@@ -95,9 +99,13 @@ def test_report_plots_a_real_run_and_summarises_it(api_run, capsys, monkeypatch)
 
 def test_eval_prompts_log_greedy_completions_at_each_evaluation(tiny_model, data_files, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(json.dumps({"instruction": "Add 2 and 3."}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    prompts.write_text(
+        json.dumps({"instruction": "Add 2 and 3."}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+    )
     out = tmp_path / "run"
-    code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, eval_prompts=prompts, eval_steps=2, eval_max_new_tokens=5), capsys)
+    code, _, err = run_cli(
+        fast_train_args(tiny_model, data_files["alpaca"], out, eval_prompts=prompts, eval_steps=2, eval_max_new_tokens=5), capsys
+    )
     assert code == 0, err
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     samples = [r for r in rows if "samples" in r]

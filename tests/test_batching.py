@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_tune.adapter import add_lora
 from lora_tune.batching import IGNORE, MicroBatches, collate, pack_best_fit_decreasing
+from lora_tune.config import TrainConfig
 from lora_tune.data import Sample
+from lora_tune.loss import CausalLMLoss
+from lora_tune.model_loading import load_base_model
 
 
 def test_best_fit_decreasing_packs_every_sample_once_within_capacity():
@@ -75,11 +79,6 @@ def test_unpacked_collate_masks_padding_even_when_pad_equals_eos():
 
 @pytest.fixture(scope="module")
 def lora_model(tiny_model):
-    from lora_tune.adapter import add_lora
-    from lora_tune.config import TrainConfig
-    from lora_tune.loss import CausalLMLoss
-    from lora_tune.model_loading import load_base_model
-
     cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4, dropout=0.0, gradient_checkpointing=False)
     peft_model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, "b")
     with torch.no_grad():  # B starts at zero: give the adapter a value so its gradients are not trivially A-only
@@ -130,26 +129,8 @@ def test_a_packed_sample_never_sees_its_neighbours(lora_model):
     n0, n1 = len(data[0].input_ids), len(data[1].input_ids)
     torch.testing.assert_close(changed[0, :n0], base[0, :n0], rtol=0, atol=0)  # before the changed sample
     m1 = len(other.input_ids)
-    torch.testing.assert_close(changed[0, n0 + m1 : n0 + m1 + len(data[2].input_ids)], base[0, n0 + n1 : n0 + n1 + len(data[2].input_ids)], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        changed[0, n0 + m1 : n0 + m1 + len(data[2].input_ids)], base[0, n0 + n1 : n0 + n1 + len(data[2].input_ids)], rtol=1e-5, atol=1e-5
+    )
     alone = peft_model(input_ids=torch.tensor([data[2].input_ids])).logits
     torch.testing.assert_close(base[0, n0 + n1 : n0 + n1 + len(data[2].input_ids)], alone[0], rtol=1e-5, atol=1e-5)
-
-
-def test_packing_falls_back_for_a_model_whose_attention_cant_separate_samples(tmp_path, data_files, capsys):
-    """Mamba has no attention mask at all: packed samples would flow into each other's state."""
-    from transformers import MambaConfig, MambaForCausalLM
-
-    from lora_tune.tiny_model import train_tiny_tokenizer
-
-    from conftest import fast_train_args, run_cli
-
-    folder = tmp_path / "mamba"
-    tokenizer = train_tiny_tokenizer()
-    MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
-                                 bos_token_id=1, eos_token_id=2, pad_token_id=0)).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    out = tmp_path / "run"
-    code, _, err = run_cli(fast_train_args(folder, data_files["text"], out, max_steps=1, target_modules=["in_proj", "x_proj"]), capsys)
-    assert code == 0, err
-    assert "packing off: MambaForCausalLM does not build its attention masks from position_ids" in err
-    assert "packing on" not in err and "packing off" in err

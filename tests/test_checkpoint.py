@@ -1,15 +1,21 @@
-"""Checkpoint mechanics: atomic commit, cleanup on failure, rotation, incomplete folders."""
+"""Checkpoint mechanics: atomic commit, cleanup on failure, rotation, incomplete folders, the trainer
+state, the pickle-free state format, and the output folder's lock."""
 
 from __future__ import annotations
 
+from enum import Enum
+
 import pytest
+import torch
 
 from lora_tune import checkpoint as ckpt
+from lora_tune.errors import UserError
 
 
 def make(out, step, complete=True):
-    with ckpt.CheckpointWriter(out, step) as tmp:
-        (tmp / "payload").write_text(str(step))
+    writer = ckpt.CheckpointWriter(out, step)
+    (writer.begin() / "payload").write_text(str(step))
+    writer.commit()
     if not complete:
         (out / f"checkpoint-{step}" / ckpt.MARKER).unlink()
 
@@ -20,15 +26,25 @@ def test_commit_is_atomic_and_marker_is_written(tmp_path):
     assert not list(tmp_path.glob(".checkpoint-*"))
 
 
-def test_failure_inside_the_writer_leaves_previous_intact(tmp_path):
+def test_a_failing_part_leaves_the_previous_checkpoint_intact(tmp_path):
     make(tmp_path, 1)
-    with pytest.raises(OSError):
-        with ckpt.CheckpointWriter(tmp_path, 2) as tmp:
-            (tmp / "half").write_text("x")
-            raise OSError(28, "No space left on device")
+
+    def full_disk(folder):
+        (folder / "half").write_text("x")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        ckpt.write(tmp_path, 2, None, full_disk, lambda folder: None)
     assert not (tmp_path / "checkpoint-2").exists()
     assert not list(tmp_path.glob(".checkpoint-*"))
     assert ckpt.newest_complete(tmp_path).name == "checkpoint-1"
+
+
+def test_write_puts_every_part_in_one_complete_checkpoint_and_rotates(tmp_path):
+    for step in (1, 2, 3):
+        removed = ckpt.write(tmp_path, step, 2, lambda f: (f / "rank0").write_text("r"), lambda f: (f / "main").write_text("m"))
+    assert [p.name for p in removed] == ["checkpoint-1"]
+    assert sorted(p.name for p in (tmp_path / "checkpoint-3").iterdir()) == [ckpt.MARKER, "main", "rank0"]
 
 
 def test_incomplete_folders_are_ignored_and_reported(tmp_path):
@@ -39,6 +55,7 @@ def test_incomplete_folders_are_ignored_and_reported(tmp_path):
     assert [p.name for p in complete] == ["checkpoint-2"]
     assert [p.name for p in incomplete] == ["checkpoint-4"]
     assert ckpt.newest_complete(tmp_path).name == "checkpoint-2"
+    assert ckpt.remove_leftovers(tmp_path) == [tmp_path / ".checkpoint-6.tmp-123"] and not (tmp_path / ".checkpoint-6.tmp-123").exists()
 
 
 def test_rotation_never_removes_the_newest_complete(tmp_path):
@@ -53,7 +70,45 @@ def test_rotation_never_removes_the_newest_complete(tmp_path):
 
 def test_resaving_a_step_replaces_it_whole(tmp_path):
     make(tmp_path, 3)
-    with ckpt.CheckpointWriter(tmp_path, 3) as tmp:
-        (tmp / "payload").write_text("new")
+    writer = ckpt.CheckpointWriter(tmp_path, 3)
+    (writer.begin() / "payload").write_text("new")
+    writer.commit()
     assert (tmp_path / "checkpoint-3" / "payload").read_text() == "new"
     assert not list(tmp_path.glob(".checkpoint-*"))
+
+
+def test_trainer_state_round_trips_through_json(tmp_path):
+    state = ckpt.TrainerState(step=7, tokens_seen=1234, bad_steps_in_a_row=1, best_eval_loss=0.5)
+    ckpt.write_json(tmp_path / "trainer_state.json", {**vars(state), "world_size": 2})
+    assert ckpt.TrainerState.saved(ckpt.read_json(tmp_path / "trainer_state.json")) == state
+
+
+def test_safe_state_keeps_tensors_numbers_and_structure_and_drops_objects(tmp_path):
+    class Stage(Enum):
+        TWO = 2
+
+    state = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0)}},
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
+        "stage": Stage.TWO,
+        "scaler": object(),
+        "nan": float("inf"),
+    }
+    ckpt.save_safe_state(tmp_path, "s", state)
+    back = ckpt.load_safe_state(tmp_path, "s")
+    assert torch.equal(back["state"][0]["exp_avg"], torch.arange(4.0)) and back["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert back["stage"] == 2 and back["scaler"] is None and back["nan"] == float("inf")
+
+
+def test_a_missing_or_corrupt_safe_state_is_named(tmp_path):
+    with pytest.raises(UserError, match="s.safetensors is unreadable or truncated"):
+        ckpt.load_safe_state(tmp_path, "s")
+
+
+def test_the_lock_refuses_a_second_holder_and_is_released(tmp_path):
+    first = ckpt.OutputLock(tmp_path).acquire()
+    assert "pid" in ckpt.lock_holder(tmp_path)
+    with pytest.raises(UserError, match="is being written by another lora-tune run"):
+        ckpt.OutputLock(tmp_path).acquire()  # the same process, another open file: flock says no
+    first.release()
+    assert ckpt.lock_holder(tmp_path) is None and (tmp_path / ckpt.LOCK_NAME).read_text() == ""

@@ -8,12 +8,12 @@ import json
 
 import pytest
 import torch
+from peft import PeftModel
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
-from lora_tune import planner as plan
-from lora_tune.errors import UserError
-
-from conftest import ALPACA, CHAT, fast_train_args, run_cli, single_error_line, write_jsonl
-from families import EXPECTED_TARGETS, FAMILIES, NO_SYSTEM_ROLE, build_family, family_configs
+from families import EXPECTED_TARGETS, FAMILIES, NO_SYSTEM_ROLE, build_family
+from helpers import ALPACA, CHAT, fast_train_args, run_cli, single_error_line, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -33,72 +33,12 @@ def logits(model, ids):
 
 
 def adapted(model_dir, adapter_dir):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plan_counts_equal_the_instantiated_model(family):
-    """Parameters and LoRA parameters (rank 8, default targets) as the planner counts them from
-    config.json alone, against the real model with peft's adapter injected."""
-    from peft import get_peft_model
-
-    from lora_tune.adapter import lora_config, resolve_targets
-    from lora_tune.config import TrainConfig
-
-    config = family_configs(512)[family]
-    arch = plan.Architecture.from_config(config.to_dict())
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    assert arch.total_params() == sum(p.numel() for p in model.parameters())
-    cfg = TrainConfig(base="x", data="x.jsonl", output_dir="o", rank=8)
-    targets = resolve_targets(model, cfg)
-    peft_model = get_peft_model(model, lora_config(cfg, targets))
-    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
-    assert sum(plan.lora_tensors(arch, plan.Setup(rank=8))) == trainable
-
-
-# Published sizes, from the models' real config.json (Pythia is not an alias: its config is here).
-PYTHIA_6_9B = {"model_type": "gpt_neox", "hidden_size": 4096, "intermediate_size": 16384, "num_hidden_layers": 32, "num_attention_heads": 32,
-               "vocab_size": 50432, "max_position_embeddings": 2048, "rotary_pct": 0.25, "use_parallel_residual": True, "tie_word_embeddings": False}
-
-
-@pytest.mark.parametrize("base, params, lora", [
-    ("mixtral-8x7b", 46_702_792_704, 223_346_688),  # experts stored: 8 x 3 x 4096 x 14336 per layer
-    (PYTHIA_6_9B, 6_857_302_016, 33_554_432),
-    ("phi3-mini", 3_821_079_552, 25_165_824),
-    ("qwen2.5-7b", 7_615_616_512, 40_370_176),
-])
-def test_plan_matches_published_sizes(base, params, lora):
-    from lora_tune.aliases import architecture
-
-    arch = plan.Architecture.from_config(architecture(base) if isinstance(base, str) else base)
-    assert arch.total_params() == params
-    assert sum(plan.lora_tensors(arch, plan.Setup(rank=16))) == lora
-
-
-def test_plan_of_a_moe_model_counts_all_experts_and_says_what_stays_bf16(capsys):
-    code, out, _ = run_cli(["plan", "--base", "mixtral-8x7b", "--precision", "4bit", "--gpu-memory", "h100-80"], capsys)
-    assert code == 0
-    weights = float(next(line for line in out.splitlines() if line.strip().startswith("weights")).split()[1])
-    assert weights == pytest.approx(85.14, abs=0.01)  # 45.1B expert parameters in bf16: bitsandbytes quantizes linears only
-    assert "does NOT fit" in out and "fused MoE expert tensors (45.10B of 46.70B parameters) stay in bf16" in out
-    code, out, _ = run_cli(["plan", "--base", "mixtral-8x7b", "--auto", "--gpus", "2", "--gpu-memory", "h100-80"], capsys)
-    assert code == 0 and "--backend fsdp" not in out and "--zero 3" in out  # FSDP2 streams layers by name: not for Mixtral
-    code, _, err = run_cli(["plan", "--base", "mixtral-8x7b", "--backend", "fsdp", "--gpus", "2"], capsys)
-    assert code == 2 and single_error_line(err).startswith("error: --precision bf16 with --backend fsdp: loads the base layer by layer, which mixtral checkpoints don't allow")
-
-
-@pytest.mark.parametrize("family", FAMILIES)
 def test_family_trains_in_fp32_and_4bit_and_merges_exactly(family, family_dir, alpaca, tmp_path, capsys):
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
     base = family_dir[family]
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     for precision in ("fp32", "4bit"):
@@ -116,7 +56,9 @@ def test_family_trains_in_fp32_and_4bit_and_merges_exactly(family, family_dir, a
         plain = AutoModelForCausalLM.from_pretrained(base)
         instances = [n for n, _ in plain.named_modules() if n.rsplit(".", 1)[-1] in config["target_modules"]]
         instances += [n for n, _ in plain.named_parameters() if any(n.endswith(f"{t}") for t in config.get("target_parameters") or [])]
-        assert len([k for k in keys if "lora_A" in k]) == len(set(instances)) == len(expected) * 2 + (2 if family == "gpt2" else 0)  # GPT-2: two c_proj per block
+        assert (
+            len([k for k in keys if "lora_A" in k]) == len(set(instances)) == len(expected) * 2 + (2 if family == "gpt2" else 0)
+        )  # GPT-2: two c_proj per block
         assert not any("lm_head" in k or ".gate." in k for k in keys)
         lora_b = [p for n, p in with_adapter.named_parameters() if "lora_B" in n]
         assert lora_b and any(p.abs().sum() > 0 for p in lora_b)  # trained: B left its zero init
@@ -138,8 +80,6 @@ def test_mixtral_logs_its_bf16_experts_and_refuses_dropout_on_them(family_dir, a
 
 
 def test_mixtral_router_is_adapted_only_when_named_and_merges(family_dir, alpaca, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     base, out = family_dir["mixtral"], tmp_path / "router"
     code, _, err = run_cli(fast_train_args(base, alpaca, out, target_modules=["q_proj", "gate"], max_steps=2), capsys)
     assert code == 0, err
@@ -151,7 +91,12 @@ def test_mixtral_router_is_adapted_only_when_named_and_merges(family_dir, alpaca
     got = logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval(), ids)
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     code, _, err = run_cli(fast_train_args(base, alpaca, tmp_path / "bad", target_modules=["q_proj", "nope"]), capsys)
-    assert code == 2 and "--target-modules: nope is not a linear layer or expert tensor of this model; choose from: k_proj o_proj q_proj v_proj experts gate" in err
+    assert (
+        code == 2
+        and "--target-modules: nope is not a linear layer or expert tensor of this model; choose from: k_proj o_proj q_proj "
+        "v_proj experts gate"
+        in err
+    )
 
 
 @pytest.mark.parametrize("family", NO_SYSTEM_ROLE)
@@ -166,21 +111,14 @@ def test_templates_without_a_system_role(family, family_dir, tmp_path, capsys):
     assert code == 2 and "System role not supported" in line and "row 1" in line and "--system-message merge" in line
 
 
-def test_targets_outside_the_model_are_refused_per_family(family_dir):
-    from types import SimpleNamespace
-
-    from lora_tune.adapter import meta_model, resolve_targets
-    from lora_tune.model_loading import load_config
-
-    config = load_config(str(family_dir["gpt2"]))
-    with pytest.raises(UserError, match="q_proj is not a linear layer .* choose from: c_attn c_fc c_proj"):
-        resolve_targets(meta_model(config), SimpleNamespace(target_modules=["q_proj"], dropout=0.0, dora=False))
-
-
 def test_quantized_conv1d_models_are_not_streamed_unquantized(family_dir, alpaca, tmp_path, capfd):
     """Layer-by-layer loading swaps nn.Linear for bitsandbytes layers; GPT-2's Conv1D would stay
     full precision, silently: refused with the way out instead (by the launched rank: capfd)."""
-    code, _, err = run_cli(fast_train_args(family_dir["gpt2"], alpaca, tmp_path / "o", backend="fsdp", precision="4bit", max_steps=1), capfd)
+    code, _, err = run_cli(
+        fast_train_args(family_dir["gpt2"], alpaca, tmp_path / "o", backend="fsdp", precision="4bit", max_steps=1), capfd
+    )
     assert code == 2
-    assert single_error_line(err) == (f"error: --backend fsdp: {family_dir['gpt2']} can't be loaded layer by layer (GPT2Block has GPT-2-style Conv1D layers, "
-                                      "which are quantized only by transformers' whole-model loading); use --zero 3 with --precision bf16, or --zero 2")
+    assert single_error_line(err) == (
+        f"error: --backend fsdp: {family_dir['gpt2']} can't be loaded layer by layer (GPT2Block has GPT-2-style Conv1D layers, "
+        "which are quantized only by transformers' whole-model loading); use --zero 3 with --precision bf16, or --zero 2"
+    )

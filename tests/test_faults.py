@@ -2,33 +2,31 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
-from conftest import fast_train_args, run_cli, run_cli_subprocess, single_error_line, write_jsonl
+from helpers import (
+    adapter_tensors,
+    assert_bit_identical,
+    fast_train_args,
+    metrics_lines,
+    run_cli,
+    run_cli_subprocess,
+    single_error_line,
+    start,
+)
 
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
-
-
-def adapter(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "adapter_model.safetensors"))
-
-
-def assert_bit_identical(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture
@@ -37,18 +35,7 @@ def reference(tiny_model, data_files, tmp_path, capsys):
     out = tmp_path / "reference"
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], out, **KILL_ARGS), capsys)
     assert code == 0, err
-    return adapter(out)
-
-
-def start(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lora_tune", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def metrics_lines(out: Path) -> int:
-    try:
-        return len((out / "metrics.jsonl").read_text().splitlines())
-    except FileNotFoundError:
-        return 0
+    return adapter_tensors(out)
 
 
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(tiny_model, data_files, tmp_path, reference):
@@ -72,7 +59,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tiny_model, data
     assert len(killed_at) >= 2, f"the run finished before being killed: {killed_at}"
     final = run_cli_subprocess(fast_train_args(tiny_model, data_files["alpaca"], out, resume=True, **KILL_ARGS))
     assert final.returncode == 0, final.stderr[-2000:]
-    assert_bit_identical(adapter(out), reference)
+    assert_bit_identical(adapter_tensors(out), reference)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 25)), "metrics must list each step once, in order, after resumes"
     assert not list(out.glob(".checkpoint-*")), "temporary checkpoint folders must be cleaned up or ignored"
@@ -93,7 +80,7 @@ def test_sigterm_saves_and_resume_finishes_identically(tiny_model, data_files, t
     assert (out / f"checkpoint-{step}" / "COMPLETE").is_file(), "the signal handler must checkpoint the step it stopped at"
     final = run_cli_subprocess(fast_train_args(tiny_model, data_files["alpaca"], out, resume=True, **KILL_ARGS))
     assert final.returncode == 0, final.stderr[-2000:]
-    assert_bit_identical(adapter(out), reference)
+    assert_bit_identical(adapter_tensors(out), reference)
 
 
 @pytest.fixture
@@ -105,8 +92,6 @@ def small_disk(tmp_path):
     except (subprocess.CalledProcessError, FileNotFoundError) as e:
         pytest.skip(f"cannot mount a small tmpfs here ({e}); needs root")
     yield mount_point
-    import gc
-
     gc.collect()  # drop any file handle a failed run's objects still hold
     subprocess.run(["umount", str(mount_point)], check=False, capture_output=True)
     subprocess.run(["umount", "-l", str(mount_point)], check=False, capture_output=True)
@@ -130,43 +115,16 @@ def test_full_disk_during_save_keeps_the_previous_checkpoint(tiny_model, data_fi
     assert f"resumed from {bigger / good[-1].name}" in err
 
 
-def poisoned_model(tiny_model: Path, tmp_path: Path) -> tuple[Path, str]:
-    """A copy of the tiny model whose embedding row for '@' is inf: any sample containing '@'
-    produces a NaN loss, the others train normally."""
-    from transformers import AutoTokenizer
-
-    out = tmp_path / "poisoned"
-    shutil.copytree(tiny_model, out)
-    token = AutoTokenizer.from_pretrained(out)("@", add_special_tokens=False)["input_ids"]
-    assert len(token) == 1
-    weights = load_file(str(out / "model.safetensors"))
-    weights["model.embed_tokens.weight"][token[0]] = float("inf")
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out, "@"
-
-
-def test_nan_steps_are_logged_skipped_and_stop_the_run(tiny_model, tmp_path, capsys):
-    from lora_tune.batching import permutation
-
-    base, poison = poisoned_model(tiny_model, tmp_path)
-    n = 8
-    order = permutation(n, seed=7, epoch=0)  # unpacked, micro-batch size 1: step k trains sample order[k-1]
-    bad_samples = set(order[2:6])  # steps 3, 4, 5, 6 are poisoned
-    rows = [{"text": f"sample {i} {poison if i in bad_samples else 'fine'}"} for i in range(n)]
-    data = write_jsonl(tmp_path / "d.jsonl", rows)
-    out = tmp_path / "run"
-    code, _, err = run_cli(fast_train_args(base, data, out, max_steps=8, micro_batch_size=1, save_steps=1, max_bad_steps=3, packing=False, group_by_length=False), capsys)
-    assert code == 3, err
-    assert "NaN/inf for 3 steps in a row" in err and "checkpoint-2" in err
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["loss"] for m in metrics[2:5]] == ["nan", "nan", "nan"], "NaN steps must be logged, not filtered"
-    assert [m["skipped"] for m in metrics[:5]] == [False, False, True, True, True]
-    complete = sorted(p.name for p in out.glob("checkpoint-*") if (p / "COMPLETE").exists())
-    assert complete == ["checkpoint-1", "checkpoint-2"], "no checkpoint is written during a bad streak"
-    assert all(torch.isfinite(t).all() for t in adapter(out / "checkpoint-2").values())
-
-
-@pytest.mark.parametrize("victim", ["adapter_model.safetensors", "training_state.pt", "rng_state.safetensors", "trainer_state.json"])
+@pytest.mark.parametrize(
+    "victim",
+    [
+        "adapter_model.safetensors",
+        "training_state_rank0.safetensors",
+        "training_state_rank0.json",
+        "rng_state_rank0.safetensors",
+        "trainer_state.json",
+    ],
+)
 def test_truncated_checkpoint_file_is_rejected_by_name(victim, tiny_model, data_files, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2), capsys)[0] == 0
@@ -182,20 +140,19 @@ class _Exploit:
         return (os.system, (f"touch {os.environ['LORA_TUNE_PWNED']}",))
 
 
-def test_malicious_pickle_in_a_checkpoint_is_not_executed(tiny_model, data_files, tmp_path, capsys, monkeypatch):
+def test_a_checkpoint_holds_no_pickle_and_a_planted_one_is_never_executed(tiny_model, data_files, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2), capsys)[0] == 0
+    assert {p.suffix for p in (out / "checkpoint-2").iterdir()} == {".safetensors", ".json", ""}  # "" : the COMPLETE marker
     marker = tmp_path / "pwned"
     monkeypatch.setenv("LORA_TUNE_PWNED", str(marker))
-    torch.save({"optimizer": _Exploit()}, out / "checkpoint-2" / "training_state.pt")
+    torch.save({"optimizer": _Exploit()}, out / "checkpoint-2" / "training_state_rank0.safetensors")  # a pickle where state belongs
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, resume=True), capsys)
-    assert code == 2 and "unsafe to load" in single_error_line(err)
+    assert code == 2 and "training_state_rank0" in single_error_line(err) and "unreadable" in err
     assert not marker.exists(), "the pickle payload ran"
 
 
 def test_pickle_bin_weights_need_explicit_permission(tiny_model, data_files, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
-
     bin_model = tmp_path / "bin-model"
     shutil.copytree(tiny_model, bin_model)
     (bin_model / "model.safetensors").unlink()

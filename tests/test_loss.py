@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import CohereConfig, LlamaConfig
 
-from lora_tune.loss import IGNORE, CausalLMLoss, chunking_refusal, linear_cross_entropy
+from lora_tune.adapter import add_lora
+from lora_tune.batching import collate
+from lora_tune.config import TrainConfig
+from lora_tune.data import Sample
+from lora_tune.loss import IGNORE, CausalLMLoss, auto_chunk_size, chunking_refusal, linear_cross_entropy
+from lora_tune.model_loading import load_base_model
 
 
 def reference(hidden, weight, targets, divisor, softcap=None, bias=None):
@@ -43,12 +49,6 @@ def test_no_gradient_is_kept_in_evaluation():
 
 
 def test_chunked_and_full_loss_train_the_same_lora_gradients(tiny_model):
-    from lora_tune.adapter import add_lora
-    from lora_tune.batching import collate
-    from lora_tune.config import TrainConfig
-    from lora_tune.data import Sample
-    from lora_tune.model_loading import load_base_model
-
     cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4, dropout=0.0)
     peft_model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, "b")
     with torch.no_grad():
@@ -72,8 +72,6 @@ def test_chunked_and_full_loss_train_the_same_lora_gradients(tiny_model):
 
 
 def test_the_default_chunk_keeps_logits_about_as_big_as_the_hidden_states():
-    from lora_tune.loss import auto_chunk_size
-
     assert auto_chunk_size(4096, 512, 32000) == 128  # ceil(32000 / 512) = 63 -> 4096 / 63 -> 65 -> 128
     assert auto_chunk_size(4096, 4096, 128256) == 128  # Llama-3-8B, one 4k row
     assert auto_chunk_size(16384, 8192, 128256) == 1024  # Llama-3-70B, 16k tokens
@@ -81,7 +79,5 @@ def test_the_default_chunk_keeps_logits_about_as_big_as_the_hidden_states():
 
 
 def test_logit_scaling_models_fall_back_to_the_full_loss():
-    from transformers import CohereConfig, LlamaConfig
-
     assert chunking_refusal(LlamaConfig()) is None
     assert "logit_scale" in chunking_refusal(CohereConfig(logit_scale=0.0625))

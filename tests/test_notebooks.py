@@ -5,16 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
+import nbformat
+from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def execute(path: Path, workdir: Path, monkeypatch):
-    import nbformat
-    from nbclient import NotebookClient
-
     monkeypatch.setenv("LORA_TUNE_NOTEBOOK_DIR", str(workdir))
     monkeypatch.setenv("LORA_TUNE_CACHE", str(workdir / "cache"))
     nb = nbformat.read(path, as_version=4)

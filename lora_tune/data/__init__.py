@@ -16,12 +16,11 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import datasets
 import torch
 
 from lora_tune.data import cache, formats, sources
-from lora_tune.data.formats.alpaca import NO_INPUT as ALPACA_NO_INPUT  # noqa: F401 - re-exported for tests and benchmarks
-from lora_tune.data.formats.alpaca import WITH_INPUT as ALPACA_WITH_INPUT  # noqa: F401
-from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, IGNORE, TRUNCATED, Tokenize
+from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, TRUNCATED, Tokenize
 from lora_tune.errors import UserError
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
@@ -60,10 +59,12 @@ class DataStats:
     tokens: int = 0
 
     def summary(self) -> str:
-        return (f"{self.rows} rows; {self.truncated} truncated, {self.dropped_long} dropped as too long, "
-                f"{self.dropped_no_labels} dropped with no trainable tokens")
+        return (
+            f"{self.rows} rows; {self.truncated} truncated, {self.dropped_long} dropped as too long, "
+            f"{self.dropped_no_labels} dropped with no trainable tokens"
+        )
 
-    def add(self, other: "DataStats") -> None:
+    def add(self, other: DataStats) -> None:
         for k in vars(self):
             setattr(self, k, getattr(self, k) + getattr(other, k))
 
@@ -75,7 +76,6 @@ class PreparedData:
     format: str
     stats: DataStats
     fingerprint: str
-    eval_stats: DataStats = field(default_factory=DataStats)
     per_source: list[str] = field(default_factory=list)
 
 
@@ -88,27 +88,46 @@ def workers(cfg, rows: int) -> int | None:
 def tokenized_source(source: sources.Source, tokenizer, cfg):
     """(dataset of input_ids/labels/length, meta) for one source, from the cache when it is there."""
     files = sources.local_files(source)
-    parts = {"data": sources.content_hash(source, files), "columns": source.columns, "tokenizer": cache.tokenizer_hash(tokenizer),
-             "max_seq_len": cfg.max_seq_len, "long_samples": cfg.long_samples, "train_on_prompt": cfg.train_on_prompt,
-             "system_message": getattr(cfg, "system_message", "auto"), "split": [source.config, source.split]}
+    parts = {
+        "data": sources.content_hash(source, files),
+        "columns": source.columns,
+        "tokenizer": cache.tokenizer_hash(tokenizer),
+        "max_seq_len": cfg.max_seq_len,
+        "long_samples": cfg.long_samples,
+        "train_on_prompt": cfg.train_on_prompt,
+        "system_message": getattr(cfg, "system_message", "auto"),
+        "split": [source.config, source.split],
+    }
     key = cache.key_of(parts)
 
     def build(workdir):
-        import datasets
-
         raw = sources.load(source, files)
         fmt = formats.detect(raw.column_names, source.label, source.option)
         fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option)
         ints = datasets.Sequence(datasets.Value("int32"))
-        features = datasets.Features({"input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "status": datasets.Value("int8")})
+        features = datasets.Features(
+            {"input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "status": datasets.Value("int8")}
+        )
         where = {"keep_in_memory": True} if workdir is None else {"cache_file_name": str(workdir / "tokens.arrow")}
         if workdir is not None:
             workdir.mkdir(parents=True, exist_ok=True)
-        ds = raw.map(fn, batched=True, batch_size=1000, with_indices=True, remove_columns=raw.column_names, features=features,
-                     num_proc=workers(cfg, len(raw)), **where)
+        ds = raw.map(
+            fn,
+            batched=True,
+            batch_size=1000,
+            with_indices=True,
+            remove_columns=raw.column_names,
+            features=features,
+            num_proc=workers(cfg, len(raw)),
+            **where,
+        )
         status = ds["status"]
-        stats = {"rows": len(raw), "truncated": status.count(TRUNCATED), "dropped_long": status.count(DROPPED_LONG),
-                 "dropped_no_labels": status.count(DROPPED_NO_LABELS)}
+        stats = {
+            "rows": len(raw),
+            "truncated": status.count(TRUNCATED),
+            "dropped_long": status.count(DROPPED_LONG),
+            "dropped_no_labels": status.count(DROPPED_NO_LABELS),
+        }
         dropped = {DROPPED_LONG, DROPPED_NO_LABELS}
         if any(s in dropped for s in status):
             ds = ds.select([i for i, s in enumerate(status) if s not in dropped])
@@ -152,8 +171,6 @@ def mix(datasets_: list, weights: list[float | None], seed: int) -> tuple[list[t
 
 
 def select(datasets_: list, picks: list[tuple[int, int]]):
-    import datasets
-
     if len(datasets_) == 1:
         return datasets_[0].select([i for _, i in picks])
     offsets, at = [], 0
@@ -172,17 +189,20 @@ def prepare_data(cfg, tokenizer) -> PreparedData:
         source_stats = DataStats(**meta["stats"])
         stats.add(source_stats)
         share = f", {count} in the mix (weight {source.weight})" if source.weight is not None else ""
-        per_source.append(f"{source.label}: {meta['format']}, {source_stats.summary()}; {len(ds)} samples, {source_stats.tokens:,} tokens{share}")
+        per_source.append(
+            f"{source.label}: {meta['format']}, {source_stats.summary()}; {len(ds)} samples, {source_stats.tokens:,} tokens{share}"
+        )
     if not picks or all(len(d) == 0 for d, _ in built):
-        raise UserError(f"--data: no usable samples in {', '.join(s.label for s in train_sources)} ({stats.summary()}); raise --max-seq-len or use --long-samples truncate")
+        raise UserError(
+            f"--data: no usable samples in {', '.join(s.label for s in train_sources)} ({stats.summary()}); raise "
+            "--max-seq-len or use --long-samples truncate"
+        )
     train = select([d for d, _ in built], picks)
-    eval_ds, eval_stats, eval_keys = None, DataStats(), []
+    eval_ds, eval_keys = None, []
     if cfg.eval_data:
         eval_sources = sources.parse_sources(cfg.eval_data, None, getattr(cfg, "data_columns", None), "--eval-data")
         eval_built = [tokenized_source(s, tokenizer, cfg) for s in eval_sources]
-        for _, meta in eval_built:
-            eval_stats.add(DataStats(**meta["stats"]))
-            eval_keys.append(meta["key"])
+        eval_keys = [meta["key"] for _, meta in eval_built]
         eval_picks, _ = mix([d for d, _ in eval_built], [None] * len(eval_built), cfg.seed)
         eval_ds = select([d for d, _ in eval_built], eval_picks)
     elif cfg.eval_split > 0:
@@ -192,7 +212,8 @@ def prepare_data(cfg, tokenizer) -> PreparedData:
         train = train.select(sorted(order[n_eval:]))
     if len(train) == 0:
         raise UserError(f"--data: no samples left for training after holding out --eval-split {cfg.eval_split}; lower it")
-    fingerprint = hashlib.sha256(json.dumps([[m["key"] for _, m in built], [s.weight for s in train_sources], counts, cfg.seed,
-                                             cfg.eval_split, eval_keys]).encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(
+        json.dumps([[m["key"] for _, m in built], [s.weight for s in train_sources], counts, cfg.seed, cfg.eval_split, eval_keys]).encode()
+    ).hexdigest()[:16]
     formats_seen = sorted({m["format"] for _, m in built})
-    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, eval_stats, per_source)
+    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, per_source)

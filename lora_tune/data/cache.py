@@ -20,6 +20,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import datasets
+import datasets.config
+
 log = logging.getLogger("lora_tune")
 VERSION = 1  # bump when what is cached changes meaning
 
@@ -27,8 +30,6 @@ VERSION = 1  # bump when what is cached changes meaning
 def cache_root(cfg) -> Path:
     if getattr(cfg, "data_cache_dir", None):
         return Path(cfg.data_cache_dir).expanduser()
-    import datasets.config
-
     return Path(datasets.config.HF_DATASETS_CACHE) / "lora_tune"
 
 
@@ -59,8 +60,6 @@ def load_or_build(root: Path | None, key: str, build):
     """(dataset, meta) for `key`: read from `root` when there, else `build(workdir)` -> (dataset,
     meta) writes its Arrow files under `workdir` and is saved to `root` first. `root` None: no
     cache, `build(None)` keeps everything in memory."""
-    import datasets
-
     if root is None:
         return build(None)
     folder = root / key

@@ -11,7 +11,7 @@ it where the template accepts one and merges it otherwise (what users of Gemma/M
 
 from __future__ import annotations
 
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
 
 # For models without a chat template (documented in the README).
 FALLBACK_TEMPLATE = (
@@ -40,13 +40,17 @@ class ChatRenderer:
 
     def _accepts_system(self) -> bool:
         try:
-            self._render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], False, None)
+            self._render(
+                [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], False, None
+            )
         except Exception:  # noqa: BLE001 - templates refuse with whatever they raise
             return False
         return True
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools):
-        return self.tok.apply_chat_template(messages, chat_template=self.template, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        return self.tok.apply_chat_template(
+            messages, chat_template=self.template, tools=tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
 
     def _system(self, messages: list[dict]) -> list[dict]:
         system = [m for m in messages if m["role"] == "system"]
@@ -61,8 +65,10 @@ class ChatRenderer:
     def pieces(self, messages: list[dict], where: str, tools=None) -> list[tuple[str, bool]]:
         messages = self._system(messages)
         if not self.tool_aware and any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
-            raise UserError(f"{where}: the conversation has tool calls or results, but this model's chat template has no tool support; "
-                            "drop those rows or use a model whose template renders tools")
+            raise UserError(
+                f"{where}: the conversation has tool calls or results, but this model's chat template has no tool support; "
+                "drop those rows or use a model whose template renders tools"
+            )
         pieces, done = [], ""
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
@@ -71,12 +77,18 @@ class ChatRenderer:
                 prompt = self._render(messages[:i], True, tools)
                 full = self._render(messages[: i + 1], False, tools)
             except Exception as e:  # noqa: BLE001 - jinja2's TemplateError and raise_exception()'s messages
-                rule = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                fix = "merge consecutive turns of one role, or pass --system-message merge|drop" if "system" not in rule.lower() else "pass --system-message merge or drop"
+                rule = first_line(e)
+                fix = (
+                    "merge consecutive turns of one role, or pass --system-message merge|drop"
+                    if "system" not in rule.lower()
+                    else "pass --system-message merge or drop"
+                )
                 raise UserError(f"{where}: the model's chat template refuses this conversation ({rule}); {fix}") from None
             if not (prompt.startswith(done) and full.startswith(prompt)):
-                raise UserError(f"{where}: the chat template does not render conversations prefix by prefix; loss masks can't be built from it")
-            pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+                raise UserError(
+                    f"{where}: the chat template does not render conversations prefix by prefix; loss masks can't be built from it"
+                )
+            pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
             done = full
         return pieces
 
@@ -85,4 +97,4 @@ class ChatRenderer:
         try:
             return self._render(self._system(messages), True, tools)
         except Exception as e:  # noqa: BLE001 - as in pieces()
-            raise UserError(f"{where}: the model's chat template refuses this conversation ({str(e).strip().splitlines()[0]})") from None
+            raise UserError(f"{where}: the model's chat template refuses this conversation ({first_line(e)})") from None

@@ -31,7 +31,9 @@ def _texts(path: str, tokenizer, system_message: str) -> list[str]:
     if not lines:
         raise UserError(f"--eval-prompts: {path} holds no prompts")
     if len(lines) > MAX_PROMPTS:
-        raise UserError(f"--eval-prompts: {path} holds {len(lines)} prompts; give at most {MAX_PROMPTS} (each is generated at every evaluation)")
+        raise UserError(
+            f"--eval-prompts: {path} holds {len(lines)} prompts; give at most {MAX_PROMPTS} (each is generated at every evaluation)"
+        )
     if file.suffix.lower() != ".jsonl":
         return [line.replace("\\n", "\n") for line in lines]
     prompts, chat = [], None

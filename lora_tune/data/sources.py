@@ -9,7 +9,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_tune.errors import UserError
+import datasets
+
+from lora_tune.aliases import check_hub_reachable
+from lora_tune.errors import UserError, first_line
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -55,7 +58,9 @@ def parse_sources(entries, weights, columns_text, option: str = "--data") -> lis
         if isinstance(entry, dict):
             unknown = set(entry) - {"path", "weight", "columns", "config", "split"}
             if "path" not in entry or unknown:
-                raise UserError(f"{option}: source {i + 1} must be a path or a mapping of path, weight, columns, config, split (got {sorted(entry)})")
+                raise UserError(
+                    f"{option}: source {i + 1} must be a path or a mapping of path, weight, columns, config, split (got {sorted(entry)})"
+                )
             columns = entry.get("columns") or {}
             columns = parse_columns(columns) if isinstance(columns, str) else dict(columns)
             weight = entry.get("weight", weight)
@@ -90,8 +95,6 @@ def local_files(source: Source) -> list[Path] | None:
         return files
     if name.startswith((".", "/", "~")) or path.suffix.lower() in SUFFIXES:
         raise UserError(f"{option}: {name} does not exist; give a local file or folder, or a hub dataset name")
-    from lora_tune.aliases import check_hub_reachable
-
     check_hub_reachable(name, option, "dataset")
     return None
 
@@ -113,8 +116,6 @@ def content_hash(source: Source, files: list[Path] | None) -> str:
 def load(source: Source, files: list[Path] | None):
     """The raw records as a `datasets.Dataset` (Arrow, memory-mapped), columns renamed to the
     format's names."""
-    import datasets
-
     datasets.disable_progress_bars()
     try:
         if files is None:
@@ -127,17 +128,20 @@ def load(source: Source, files: list[Path] | None):
         for path in files or []:
             if SUFFIXES[path.suffix.lower()] == "json":
                 check_json_file(path, source.option)  # finds the broken line, if that is the cause
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{source.option}: could not load {source.label}: {first}") from None
+        raise UserError(f"{source.option}: could not load {source.label}: {first_line(e)}") from None
     if len(ds) == 0:
         raise UserError(f"{source.option}: {source.label} is empty; it needs at least one sample")
     missing = [c for c in source.columns.values() if c not in ds.column_names]
     if missing:
-        raise UserError(f"{source.option}: {source.label} has no column {missing[0]!r} to map (its columns: {ds.column_names}); fix --data-columns")
+        raise UserError(
+            f"{source.option}: {source.label} has no column {missing[0]!r} to map (its columns: {ds.column_names}); fix --data-columns"
+        )
     renames = {old: new for new, old in source.columns.items() if old != new}
     clash = [new for new in renames.values() if new in ds.column_names and new not in renames]
     if clash:
-        raise UserError(f"{source.option}: mapping onto {clash[0]!r}, which {source.label} already has; map that column too or drop the mapping")
+        raise UserError(
+            f"{source.option}: mapping onto {clash[0]!r}, which {source.label} already has; map that column too or drop the mapping"
+        )
     return ds.rename_columns(renames) if renames else ds
 
 
@@ -160,4 +164,4 @@ def check_json_file(path: Path, option: str) -> None:
         except json.JSONDecodeError as e:
             raise UserError(f"{option}: {path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from None
         if not isinstance(row, dict):
-            raise UserError(f"{option}: {path} line {number} is not a JSON object; each line must be one sample like {{\"text\": ...}}")
+            raise UserError(f'{option}: {path} line {number} is not a JSON object; each line must be one sample like {{"text": ...}}')

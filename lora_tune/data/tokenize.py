@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from lora_tune.data import formats
 from lora_tune.data.chat import ChatRenderer
+from lora_tune.loss import IGNORE
 
-IGNORE = -100
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS = 0, 1, 2, 3
 
 

@@ -1,13 +1,11 @@
 """The engine seam: everything that differs by backend lives behind one interface.
 
 The recipe (`lora_tune.recipe`) loads, trains, checkpoints and saves through `Engine` alone and
-never asks which backend runs. Each backend owns:
-
-* how the base is loaded and partitioned, and when the adapter is injected (`load`);
-* forward/backward, the optimizer step, evaluation;
-* gathering the adapter for saving, and writing/reading its own part of a checkpoint;
-* its compatibility cells (`refusal`), from which the matrix in the README and the cells
-  `plan --auto` searches are generated.
+never asks which backend runs. Each backend module declares a static `SPEC` (`spec.BackendSpec`:
+flags, cells and refusals, loading, memory placement, speed) and implements `Engine`; this module
+is the registry that reads the specs for the config's choices, the compatibility matrix, `plan`
+and `plan --auto`. Adding a backend = one module with a `SPEC` and an `Engine` + one line in
+`BUILTIN` (or `register(spec)` from outside the package).
 
 Backends: `single` (one process, one device), `deepspeed` (ZeRO-1/2/3, optional CPU offload) and
 `fsdp` (PyTorch FSDP2, `fully_shard` per decoder layer, optional CPU offload). Their modules import
@@ -17,25 +15,30 @@ DeepSpeed / FSDP only when that backend runs.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
+from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from lora_tune import distributed as dist
+from lora_tune.batching import MicroBatch
+from lora_tune.engines import deepspeed, fsdp, single
+from lora_tune.engines.spec import OFFLOAD_LABEL, OFFLOADS, PRECISIONS, BackendSpec
 from lora_tune.errors import UserError
-
-PRECISIONS = ("fp32", "bf16", "fp16", "8bit", "4bit")
-OFFLOADS = ("none", "cpu", "nvme")
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 class Engine(Protocol):
     """One training backend. Called in this order: `load` -> (`load_adapter`) -> `prepare` ->
-    (`load_state`) -> steps -> `adapter_state` / `save_state` at checkpoints."""
+    (`load_state`) -> steps -> `adapter_state` / `save_state` at checkpoints.
 
-    name: ClassVar[str]
+    A step is exactly `cfg.grad_accum` calls of `forward_backward` followed by one `step()` (or
+    `zero_grad()` when the step is dropped): backends may count micro-batches against it (DeepSpeed
+    marks its accumulation boundary that way)."""
+
+    spec: ClassVar[BackendSpec]
     # True where an overflowing step is routine and handled (fp16 loss scaling): such a skipped
     # update is not a "bad step".
     skips_overflow: bool
@@ -51,9 +54,9 @@ class Engine(Protocol):
     def prepare(self, model: torch.nn.Module, total_steps: int) -> None:
         """Optimizer, schedule and whatever wrapping the backend needs."""
 
-    def forward_backward(self, batch, divisor: float) -> torch.Tensor:
-        """Backward of this micro-batch's share of the step loss (`lora_tune.batching.MicroBatch`;
-        summed over label tokens, divided by `divisor`); returns that share, detached."""
+    def forward_backward(self, batch: MicroBatch, divisor: float) -> torch.Tensor:
+        """Backward of this micro-batch's share of the step loss (summed over label tokens, divided
+        by `divisor`); returns that share, detached."""
 
     def step(self) -> tuple[float, bool]:
         """Clip, optimizer and schedule step at the end of an optimizer step: (grad norm, applied)."""
@@ -63,7 +66,7 @@ class Engine(Protocol):
     @property
     def lr(self) -> float: ...
 
-    def evaluate(self, batches: list) -> tuple[float, int]:
+    def evaluate(self, batches: list[MicroBatch]) -> tuple[float, int]:
         """(summed token loss, label tokens) over the batches; collective where the backend is."""
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -73,7 +76,7 @@ class Engine(Protocol):
         """The whole adapter (peft's names, CPU tensors) on rank 0; collective, never gathers the base."""
 
     def save_state(self, folder: Path) -> None:
-        """This rank's part of a checkpoint (optimizer, schedule, RNG), pickle-free where sharded."""
+        """This rank's part of a checkpoint (optimizer, schedule, RNG), pickle-free."""
 
     def load_state(self, folder: Path) -> None: ...
 
@@ -82,22 +85,49 @@ class Engine(Protocol):
 
 
 # --- registry ----------------------------------------------------------------------------------
-BACKENDS = {"single": "lora_tune.engines.single:SingleDeviceEngine",
-            "deepspeed": "lora_tune.engines.deepspeed:DeepSpeedEngine",
-            "fsdp": "lora_tune.engines.fsdp:FSDPEngine"}
+BUILTIN = (single.SPEC, deepspeed.SPEC, fsdp.SPEC)
+BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in BUILTIN}
 
 
-def backend_class(name: str):
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)
+def register(spec: BackendSpec) -> None:
+    """Add a backend (its choices, cells and memory model appear everywhere the registry is read)."""
+    BACKENDS[spec.name] = spec
+
+
+def unregister(name: str) -> None:
+    BACKENDS.pop(name, None)
+
+
+def names() -> dict[str, str]:
+    """Backend name -> its one-line description (the --backend choices in --help)."""
+    return {name: spec.description for name, spec in BACKENDS.items()}
+
+
+def stages() -> dict[int, str]:
+    """Every --zero stage some backend runs -> which backends run it."""
+    found: dict[int, list[str]] = {}
+    for spec in BACKENDS.values():
+        for stage in spec.stages:
+            found.setdefault(stage, []).append(spec.name)
+    return {stage: ", ".join(found[stage]) for stage in sorted(found)}
+
+
+def spec_of(cfg) -> BackendSpec:
+    """The backend a configuration selects: --backend as given; else the one whose stage --zero
+    names (so `--zero 3` alone keeps working); else the one-process backend."""
+    if cfg.backend and cfg.backend not in BACKENDS:
+        raise UserError(f"--backend: got {cfg.backend!r}; choose one of {', '.join(BACKENDS)}")
+    if cfg.zero not in stages():
+        raise UserError(f"--zero: got {cfg.zero}; choose one of {', '.join(map(str, stages()))}")
+    if cfg.backend:
+        return BACKENDS[cfg.backend]
+    if cfg.zero:
+        return next(s for s in BACKENDS.values() if cfg.zero in s.stages)
+    return next(s for s in BACKENDS.values() if not s.multi_process)
 
 
 def backend_name(cfg) -> str:
-    """--backend as given, else derived: --zero 1|2|3 means DeepSpeed (so `--zero` keeps working)."""
-    chosen = getattr(cfg, "backend", None)
-    if chosen:
-        return chosen
-    return "deepspeed" if cfg.zero else "single"
+    return spec_of(cfg).name
 
 
 @dataclass(frozen=True)
@@ -107,94 +137,102 @@ class Cell:
     zero: int
     offload: str
 
+    @property
+    def spec(self) -> BackendSpec:
+        return BACKENDS[self.backend]
+
     def flags(self) -> str:
         """The cell as the options that select it: '--precision 8bit with --zero 3 --offload cpu'."""
-        rest = []
-        if self.backend == "fsdp":
-            rest.append("--backend fsdp")
-        elif self.zero:
-            rest.append(f"--zero {self.zero}")
-        if self.offload != "none":
-            rest.append(f"--offload {self.offload}")
+        rest = list(self.spec.flags(self.zero)) + ([f"--offload {self.offload}"] if self.offload != "none" else [])
         return f"--precision {self.precision}" + (" with " + " ".join(rest) if rest else "")
 
+    def refusal(self) -> str | None:
+        return self.spec.refusal(self.precision, self.zero, self.offload)
 
-def refusal(backend: str, precision: str, zero: int, offload: str) -> str | None:
-    """Why this cell is refused, or None when it runs. Each backend answers for its own cells."""
-    return backend_class(backend).refusal(precision, zero, offload)
+    def loads_layer_by_layer(self) -> bool:
+        return self.spec.loads_layer_by_layer(self.precision, self.zero)
 
 
-def layer_by_layer_refusal(cfg, model_type: str) -> str | None:
+def cell_of(cfg) -> Cell:
+    return Cell(backend_name(cfg), cfg.precision, cfg.zero, cfg.offload)
+
+
+def layer_by_layer_refusal(cell: Cell, model_type: str) -> str | None:
     """Why this cell can't run this model family, or None. Cells that stream the base layer by layer
     read each tensor under the model's own name; a family whose checkpoints transformers converts on
     load (Mixtral's per-expert tensors fused into one, renamed routers) can't be read that way."""
-    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-
-    name = backend_name(cfg)
-    if backend_class(name).loads_layer_by_layer(cfg.precision, cfg.zero) and get_checkpoint_conversion_mapping(model_type):
-        cell = Cell(name, cfg.precision, cfg.zero, cfg.offload)
-        fix = "use --zero 3 with --precision bf16 (zero.Init through from_pretrained)" if name == "fsdp" else "use --precision bf16 with --zero 3, or --zero 2"
-        return f"{cell.flags()}: loads the base layer by layer, which {model_type} checkpoints don't allow (transformers converts their tensors on load); {fix}"
+    if cell.loads_layer_by_layer() and get_checkpoint_conversion_mapping(model_type):
+        return (
+            f"{cell.flags()}: loads the base layer by layer, which {model_type} checkpoints don't allow "
+            f"(transformers converts their tensors on load); {cell.spec.layer_by_layer_alternative}"
+        )
     return None
 
 
 def check_layer_by_layer(cfg, model_type: str) -> None:
     """layer_by_layer_refusal as the one-line error, before anything is loaded."""
-    reason = layer_by_layer_refusal(cfg, model_type)
+    reason = layer_by_layer_refusal(cell_of(cfg), model_type)
     if reason:
         raise UserError(reason)
 
 
 def all_cells() -> list[Cell]:
     """Every cell any backend could be asked for (refused ones included)."""
-    cells = []
-    for backend in BACKENDS:
-        for zero in backend_class(backend).ZERO_STAGES:
-            for precision in PRECISIONS:
-                for offload in OFFLOADS:
-                    cells.append(Cell(backend, precision, zero, offload))
-    return cells
+    return [
+        Cell(name, precision, stage, offload)
+        for name, spec in BACKENDS.items()
+        for stage in spec.stages
+        for precision in PRECISIONS
+        for offload in OFFLOADS
+    ]
 
 
 def supported_cells() -> list[Cell]:
-    return [c for c in all_cells() if refusal(c.backend, c.precision, c.zero, c.offload) is None]
+    return [c for c in all_cells() if c.refusal() is None]
 
 
 def check_compatibility(cfg, paths: bool = True) -> None:
     """The cell of this configuration, then (for `train`, not `plan`) the files it needs."""
-    chosen = getattr(cfg, "backend", None)
-    if chosen and chosen != "deepspeed" and cfg.zero:
-        raise UserError(f"--zero {cfg.zero} is DeepSpeed's stage; it can't be combined with --backend {chosen}. Use --backend deepspeed (or leave --backend out)")
-    name = backend_name(cfg)
-    reason = refusal(name, cfg.precision, cfg.zero, cfg.offload)
+    spec = spec_of(cfg)
+    if cfg.zero not in spec.stages:
+        runs_it = [s.name for s in BACKENDS.values() if cfg.zero in s.stages]
+        raise UserError(
+            f"--zero {cfg.zero} is not a stage of --backend {spec.name}; use --backend {' or '.join(runs_it)} (or leave --backend out)"
+        )
+    cell = cell_of(cfg)
+    reason = cell.refusal()
     if reason:
-        raise UserError(f"{Cell(name, cfg.precision, cfg.zero, cfg.offload).flags()}: {reason}")
-    if paths and name == "single" and max(getattr(cfg, "nproc", None) or 1, dist.world_size()) > 1:
-        # N independent single-device runs would each write the same output folder.
-        raise UserError("several processes need a backend that coordinates them: add --zero 1 (data parallel, optimizer states sharded), --zero 2/3 or --backend fsdp")
-    if paths and getattr(cfg, "zero_config", None) and not Path(cfg.zero_config).is_file():
-        raise UserError(f"--zero-config: {cfg.zero_config} does not exist")
-    if paths and getattr(cfg, "zero_config", None) and name != "deepspeed":
-        raise UserError(f"--zero-config is a DeepSpeed file; it needs --zero 1|2|3 (the {name} backend runs)")
+        raise UserError(f"{cell.flags()}: {reason}")
+    for other in BACKENDS.values():
+        for option in other.options:
+            if other is not spec and getattr(cfg, option, None):
+                raise UserError(f"--{option.replace('_', '-')} belongs to --backend {other.name} (the {spec.name} backend runs)")
+    if not paths:
+        return
+    if not spec.multi_process and max(cfg.nproc or 1, dist.world_size()) > 1:
+        choices = " or ".join(" ".join(s.flags(s.stages[0])) for s in BACKENDS.values() if s.multi_process)
+        raise UserError(f"several processes need a backend that coordinates them: add {choices}")
+    if spec.check_inputs:
+        spec.check_inputs(cfg)
 
 
 def create(cfg, device: torch.device) -> Engine:
-    return backend_class(backend_name(cfg))(cfg, device)
+    module, cls = spec_of(cfg).engine.split(":")
+    return getattr(importlib.import_module(module), cls)(cfg, device)
 
 
 def matrix_markdown() -> str:
     """The compatibility matrix as the README shows it, generated from the backends' cells: one
     row per backend setup, one column per precision, each refusal's reason as a numbered note;
     setups refused for every precision are listed below it with their reason."""
-    names = {"single": "one device", "fsdp": "FSDP2"}
     reasons: list[str] = []
     lines = ["| backend | " + " | ".join(PRECISIONS) + " |", "|---|" + "---|" * len(PRECISIONS)]
     not_offered = []
-    for backend in BACKENDS:
-        for zero in backend_class(backend).ZERO_STAGES:
+    for spec in BACKENDS.values():
+        for stage in spec.stages:
             for offload in OFFLOADS:
-                name = (names.get(backend) or f"ZeRO-{zero}") + {"none": "", "cpu": " + CPU offload", "nvme": " + NVMe offload"}[offload]
-                row = [refusal(backend, precision, zero, offload) for precision in PRECISIONS]
+                name = spec.label(stage) + OFFLOAD_LABEL[offload]
+                row = [Cell(spec.name, precision, stage, offload).refusal() for precision in PRECISIONS]
                 if all(row):
                     not_offered.append(f"- {name}: {row[0]}")
                     continue

@@ -1,21 +1,25 @@
 """What every engine does the same way: build the optimizer and the LR schedule, run autocast,
-move a batch, and sum an evaluation. Engines compose these; none inherits from another."""
+move a batch, sum an evaluation, write and read its rank's part of a checkpoint, and say what it
+holds of the base. Engines compose these; none inherits from another."""
 
 from __future__ import annotations
 
 import contextlib
 import math
+from pathlib import Path
 
+import bitsandbytes as bnb
 import torch
+from transformers import get_scheduler
 
+from lora_tune import checkpoint as ckpt
+from lora_tune import distributed as dist
 from lora_tune.model_loading import compute_dtype
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    import bitsandbytes as bnb
-
     if name == "adamw_8bit":
         return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
     if name == "paged_adamw_8bit":
@@ -29,8 +33,6 @@ def warmup_steps(cfg, total_steps: int) -> int:
 
 
 def build_scheduler(cfg, optimizer, total_steps: int):
-    from transformers import get_scheduler
-
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_scheduler]
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps), num_training_steps=total_steps)
 
@@ -62,7 +64,9 @@ def evaluate(module, batches, precision: str | None, device: torch.device) -> tu
 
 
 @torch.no_grad()
-def generate(peft_model, prompts: list[list[int]], max_new_tokens: int, precision: str | None, device: torch.device, synced: bool = False) -> list[list[int]]:
+def generate(
+    peft_model, prompts: list[list[int]], max_new_tokens: int, precision: str | None, device: torch.device, synced: bool = False
+) -> list[list[int]]:
     """Greedy completions, one prompt at a time. `synced`: every rank runs the same number of
     forward passes (ZeRO-3 / FSDP2 gather weights collectively), whoever finishes first."""
     peft_model.eval()
@@ -70,9 +74,15 @@ def generate(peft_model, prompts: list[list[int]], max_new_tokens: int, precisio
     for ids in prompts:
         x = torch.tensor([ids], device=device)
         with autocast(precision, device) if precision else contextlib.nullcontext():
-            y = peft_model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                                    use_cache=True, synced_gpus=synced)
-        outputs.append(y[0, len(ids):].tolist())
+            y = peft_model.generate(
+                input_ids=x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                use_cache=True,
+                synced_gpus=synced,
+            )
+        outputs.append(y[0, len(ids) :].tolist())
     peft_model.train()
     return outputs
 
@@ -82,8 +92,6 @@ def base_tensor_bytes(model) -> tuple[int, int]:
     parameters as partitioned (a ZeRO-3 partition, an FSDP2 shard, or the tensor), buffers, and the
     extra state bitsandbytes hangs on layers and weights (int8 CB/SCB, NF4 quant states), each
     piece of memory counted once. This is the figure that shows whether a partition is real."""
-    import bitsandbytes as bnb
-
     seen: set = set()
     local = full = 0
 
@@ -128,3 +136,35 @@ def base_tensor_bytes(model) -> tuple[int, int]:
         if isinstance(module, bnb.nn.Linear4bit):  # kept on the layer too (FSDP2's weight loses it)
             count_quant_state(getattr(module, "quant_state", None))
     return local, full
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+def state_name(kind: str) -> str:
+    """This rank's file stem in a checkpoint: every engine writes one set per rank, pickle-free."""
+    return f"{kind}_rank{dist.rank()}"
+
+
+def save_rank_state(folder: Path, optimizer, scheduler, **extra) -> None:
+    """Optimizer, schedule (and any extra state dicts) of this rank as safetensors + JSON, and its RNG."""
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **extra}
+    ckpt.save_safe_state(folder, state_name("training_state"), state)
+    ckpt.save_rng(folder / f"{state_name('rng_state')}.safetensors")
+
+
+def load_rank_state(folder: Path) -> dict:
+    """What save_rank_state wrote for this rank; restores the RNG. The caller loads the state dicts
+    into its optimizer and schedule (the backends differ in how)."""
+    state = ckpt.load_safe_state(folder, state_name("training_state"))
+    ckpt.load_rng(folder / f"{state_name('rng_state')}.safetensors")
+    return state
+
+
+def memory_line(model, device: torch.device, offload: str, who: str, partitioned: tuple[int, int] | None) -> str:
+    """One line on what this rank holds of the frozen base: its partition of the parameters (None:
+    the whole base) and every tensor reachable from the base, each piece of memory counted once."""
+    held, whole = base_tensor_bytes(model)
+    where = "host (CPU offload)" if offload == "cpu" else str(device)
+    if partitioned is None:
+        return f"{who}: rank {dist.rank()} holds the whole base ({held:,} bytes of base tensors) on {where}"
+    local, full = partitioned
+    return f"{who}: rank {dist.rank()} holds {local:,} of {full:,} base parameters ({held:,} of {whole:,} bytes of base tensors) on {where}"

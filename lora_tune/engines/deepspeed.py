@@ -13,14 +13,17 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
+from lora_tune import layerwise
 from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
+from lora_tune.engines.spec import BackendSpec, ModelStates, Placement, divided, share
 from lora_tune.errors import UserError
 from lora_tune.model_loading import attention_implementation, load_base_model, load_config
 
@@ -33,46 +36,89 @@ def unlink_shared_allreduce_buffer() -> None:
     would leave its buffers in RAM until reboot. Once every rank has mapped its peers' (done by the
     time init_distributed returns everywhere: the barrier), each removes its own name; the mappings
     live on until the processes exit, also when one is killed."""
-    import os
-
     torch.distributed.barrier()
-    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}"
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    name = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{torch.distributed.get_rank()}"
     try:
         os.unlink(name)
     except FileNotFoundError:
         pass  # a DeepSpeed build without the shared-memory op
 
 
-class DeepSpeedEngine:
-    name = "deepspeed"
-    ZERO_STAGES = (1, 2, 3)
+def refusal(precision: str, stage: int, offload: str) -> str | None:
+    if precision == "fp16":
+        # DeepSpeed's fp16 mode casts the LoRA weights to fp16 under a loss scaler of its own; its
+        # CPU backend has no fp16, so that path can't be tested here and is not offered.
+        return (
+            "fp16 under ZeRO needs DeepSpeed's own loss scaler, which is not wired (untestable without a GPU); "
+            "use --precision bf16 (Ampere or newer) or --zero 0"
+        )
+    if offload == "nvme":
+        # Tried with DeepSpeed 0.19 (libaio built): swapping parameters fails mid-forward ("Not
+        # enough buffers", DeepSpeed #3062); swapping only optimizer states trains, but its
+        # state_dict holds empty tensors for them and its loader reads swap files it has just
+        # purged, so such a run could never resume.
+        return (
+            "DeepSpeed's NVMe swapping can't checkpoint and resume a LoRA run (swapped optimizer states don't reload; "
+            "parameter swapping fails, DeepSpeed #3062); use --offload cpu"
+        )
+    return None
 
-    @staticmethod
-    def loads_layer_by_layer(precision: str, zero: int) -> bool:
-        # bf16/fp32 bases go through from_pretrained under zero.Init; quantized ones are streamed.
-        return zero == 3 and precision in ("8bit", "4bit")
+
+def loads_layer_by_layer(precision: str, stage: int) -> bool:
+    # bf16/fp32 bases go through from_pretrained under zero.Init; quantized ones are streamed.
+    return stage == 3 and precision in ("8bit", "4bit")
+
+
+def place(states: ModelStates, stage: int, offload: str, world: int) -> Placement:
+    """ZeRO-1 splits optimizer states, ZeRO-2 also gradients, ZeRO-3 also the base and the LoRA
+    weights (plus the one layer it gathers for compute). CPU offload: DeepSpeed's CPU Adam keeps
+    fp32 m, v and a fp32 master copy of each LoRA shard on the host (bitsandbytes' 8-bit states
+    can't go there); ZeRO-3 also parks the base there, keeping the gathered and the prefetched layer."""
+    device = share(states, world, optimizer=True, gradients=stage >= 2, weights=stage == 3, trainable=stage == 3, layers_in_flight=1)
+    if offload != "cpu":
+        return Placement(device)
+    device = replace(device, optimizer=0)
+    host_weights = 0
+    if stage == 3:
+        host_weights = device.weights - 2 * states.layer_weights
+        device = replace(device, weights=2 * states.layer_weights)
+    return Placement(device, host_optimizer=divided(12 * states.trainable_params, world), host_weights=host_weights)
+
+
+def check_inputs(cfg) -> None:
+    if cfg.zero_config and not Path(cfg.zero_config).is_file():
+        raise UserError(f"--zero-config: {cfg.zero_config} does not exist")
+
+
+SPEC = BackendSpec(
+    name="deepspeed",
+    engine="lora_tune.engines.deepspeed:DeepSpeedEngine",
+    description="DeepSpeed ZeRO-1/2/3 (--zero), optional CPU offload",
+    stages=(1, 2, 3),
+    multi_process=True,
+    refusal=refusal,
+    loads_layer_by_layer=loads_layer_by_layer,
+    label=lambda stage: f"ZeRO-{stage}",
+    flags=lambda stage: ("--zero", str(stage)),
+    place=place,
+    # Measured and published costs of ZeRO's communication (DeepSpeed docs), and of CPU offload's
+    # host-side optimizer and transfers (QLoRA paper, LLaMA-Factory's tables).
+    slowdown=lambda stage, offload: {1: 1.02, 2: 1.05, 3: 1.2}[stage] * (1.6 if offload == "cpu" else 1.0),
+    layer_by_layer_alternative="use --precision bf16 with --zero 3, or --zero 2",
+    options=("zero_config",),
+    check_inputs=check_inputs,
+)
+
+
+class DeepSpeedEngine:
+    spec = SPEC
     skips_overflow = False
 
-    @staticmethod
-    def refusal(precision: str, zero: int, offload: str) -> str | None:
-        if precision == "fp16":
-            # DeepSpeed's fp16 mode casts the LoRA weights to fp16 under a loss scaler of its own; its
-            # CPU backend has no fp16, so that path can't be tested here and is not offered.
-            return "fp16 under ZeRO needs DeepSpeed's own loss scaler, which is not wired (untestable without a GPU); use --precision bf16 (Ampere or newer) or --zero 0"
-        if offload == "nvme":
-            # Tried with DeepSpeed 0.19 (libaio built): swapping parameters fails mid-forward ("Not
-            # enough buffers", DeepSpeed #3062); swapping only optimizer states trains, but its
-            # state_dict holds empty tensors for them and its loader reads swap files it has just
-            # purged, so such a run could never resume.
-            return "DeepSpeed's NVMe swapping can't checkpoint and resume a LoRA run (swapped optimizer states don't reload; parameter swapping fails, DeepSpeed #3062); use --offload cpu"
-        return None
-
     def __init__(self, cfg, device: torch.device):
-        import os
-
         if device.type == "cpu":  # said, so DeepSpeed doesn't detect it and warn about it at import
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 - optional dependency (the [deepspeed] extra), imported when this backend runs
 
         self.cfg = cfg
         self.device = device
@@ -84,7 +130,7 @@ class DeepSpeedEngine:
 
     # --- loading -------------------------------------------------------------------------------
     def load(self, base_path: str, add_adapter):
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 - optional dependency (the [deepspeed] extra), imported when this backend runs
 
         cfg = self.cfg
         if self.zero3 and cfg.precision in ("8bit", "4bit"):
@@ -94,8 +140,17 @@ class DeepSpeedEngine:
                 # Must exist (and stay referenced) while from_pretrained runs: transformers then
                 # builds the model under zero.Init, so each rank only ever holds its partition.
                 self.hf_deepspeed = hf_deepspeed_config(self.config)
-            base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, zero3=self.zero3,
-                                   attn_implementation=attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device))
+            base = load_base_model(
+                base_path,
+                cfg.precision,
+                self.device,
+                cfg.trust_remote_code,
+                cfg.allow_bin,
+                zero3=self.zero3,
+                attn_implementation=attention_implementation(
+                    cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device
+                ),
+            )
         self.model = add_adapter(base)
         if self.zero3 and self.model.chunk_size != 0:
             # The chunked loss reads the head's weight inside the loss module's forward, not through
@@ -108,20 +163,22 @@ class DeepSpeedEngine:
         the base is streamed layer by layer: each decoder layer is read, quantized on the device
         (4-bit packed into bf16 words, 8-bit as lora_tune's shardable int8 layer) and partitioned
         with zero.Init(module=...) before the next one is read."""
-        import deepspeed
-
-        from lora_tune import layerwise
+        import deepspeed  # noqa: PLC0415 - optional dependency (the [deepspeed] extra), imported when this backend runs
 
         cfg = self.cfg
-        try:
-            attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device)
-            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True,
-                                                        attn_implementation=attention)
-        except layerwise.NotStreamable as e:
-            raise UserError(f"--precision {cfg.precision} with --zero 3 loads the base layer by layer, and {base_path} can't be ({e}); use --zero 2") from None
+        skeleton, reader = layerwise.streamed_skeleton(
+            base_path, cfg, self.device, f"--precision {cfg.precision} with --zero 3", "use --zero 2"
+        )
         partition = lambda module: deepspeed.zero.Init(module=module, config_dict_or_path=self.config)  # noqa: E731
-        layerwise.load_layer_by_layer(skeleton, reader, self.device, cfg.precision, init_adapter=lambda unit, name: None,
-                                      partition=partition, partition_root=partition)
+        layerwise.load_layer_by_layer(
+            skeleton,
+            reader,
+            self.device,
+            cfg.precision,
+            init_adapter=lambda unit, name: None,
+            partition=partition,
+            partition_root=partition,
+        )
         self.hf_deepspeed = hf_deepspeed_config(self.config)  # peft sees ZeRO-3 from here on
         return skeleton
 
@@ -130,7 +187,7 @@ class DeepSpeedEngine:
 
     def load_adapter(self, path: Path) -> None:
         if self.zero3:
-            import deepspeed
+            import deepspeed  # noqa: PLC0415 - optional dependency (the [deepspeed] extra), imported when this backend runs
 
             with deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=0):
                 load_adapter_weights(self.model.peft_model, path)
@@ -138,7 +195,7 @@ class DeepSpeedEngine:
             load_adapter_weights(self.model.peft_model, path)
 
     def prepare(self, model, total_steps: int) -> None:
-        import deepspeed
+        import deepspeed  # noqa: PLC0415 - optional dependency (the [deepspeed] extra), imported when this backend runs
 
         cfg = self.cfg
         self.model = model
@@ -147,7 +204,7 @@ class DeepSpeedEngine:
             # Offloaded optimizer states live in host RAM and are stepped there: bitsandbytes'
             # 8-bit AdamW only runs where the states are on the device, so DeepSpeed's vectorised
             # CPU Adam (AdamW mode) does it; its op is compiled on first use and cached.
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
+            from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - optional dependency ([deepspeed])
 
             instead = "" if cfg.optim == "adamw" else f" ({cfg.optim} can't run on offloaded states)"
             log.info("optimizer: DeepSpeed's CPU Adam (AdamW mode) steps the offloaded states on the host%s", instead)
@@ -155,7 +212,9 @@ class DeepSpeedEngine:
         else:
             optimizer = common.build_optimizer(cfg.optim, params, cfg.lr, cfg.weight_decay)
         scheduler = common.build_scheduler(cfg, optimizer, total_steps)
-        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config)
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.config
+        )
         self.pending = 0
 
     # --- steps ---------------------------------------------------------------------------------
@@ -195,20 +254,17 @@ class DeepSpeedEngine:
         """Under ZeRO-3 only the LoRA weights are gathered (never the base): saving costs the
         adapter's size, not the model's."""
         if self.zero3:
-            import deepspeed
+            import deepspeed  # noqa: PLC0415 - optional dependency (the [deepspeed] extra), imported when this backend runs
 
             with deepspeed.zero.GatheredParameters(self._lora_params(), modifier_rank=None):
                 return trainable_state_dict(self.model.peft_model)
         return trainable_state_dict(self.model.peft_model)
 
     def save_state(self, folder: Path) -> None:
-        r = dist.rank()
-        ckpt.save_safe_state(folder, f"training_state_rank{r}", {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
-        ckpt.save_rng(folder / f"rng_state_rank{r}.safetensors")
+        common.save_rank_state(folder, self.optimizer, self.scheduler)
 
     def load_state(self, folder: Path) -> None:
-        r = dist.rank()
-        state = ckpt.load_safe_state(folder, f"training_state_rank{r}")
+        state = common.load_rank_state(folder)
         live = self.optimizer.state_dict()
         saved = state["optimizer"]
         for key, value in live.items():  # objects the safe format dropped: take the live ones
@@ -219,19 +275,15 @@ class DeepSpeedEngine:
         self.optimizer.load_state_dict([saved] * dist.world_size())
         self.scheduler.load_state_dict(state["scheduler"])
         replay_cpu_adam_steps(self.optimizer.optimizer)
-        ckpt.load_rng(folder / f"rng_state_rank{r}.safetensors")
 
     def memory_report(self) -> str | None:
         """What this rank holds of the frozen base: ZeRO-3 partitions it (quantized bases count
         their packed storage elements); the bytes count every tensor reachable from it."""
-        held, whole = common.base_tensor_bytes(self.model)
-        if not self.zero3:
-            return f"zero-{self.cfg.zero}: rank {dist.rank()} holds the whole base ({held:,} bytes of base tensors) on {self.device}"
-        base = [p for p in self.model.parameters() if not p.requires_grad]
-        local = sum(p.ds_tensor.ds_numel for p in base)
-        full = sum(p.ds_numel for p in base)
-        where = "host (CPU offload)" if self.cfg.offload == "cpu" else str(self.device)
-        return f"zero-3: rank {dist.rank()} holds {local:,} of {full:,} base parameters ({held:,} of {whole:,} bytes of base tensors) on {where}"
+        partitioned = None
+        if self.zero3:
+            base = [p for p in self.model.parameters() if not p.requires_grad]
+            partitioned = (sum(p.ds_tensor.ds_numel for p in base), sum(p.ds_numel for p in base))
+        return common.memory_line(self.model, self.device, self.cfg.offload, f"zero-{self.cfg.zero}", partitioned)
 
 
 def deepspeed_config(cfg) -> dict:
@@ -259,7 +311,7 @@ def deepspeed_config(cfg) -> dict:
 
 def hf_deepspeed_config(ds_config: dict):
     """Tell transformers (and peft) that ZeRO-3 is on; the object must stay referenced."""
-    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations import HfDeepSpeedConfig  # noqa: PLC0415 - needs the optional deepspeed
 
     return HfDeepSpeedConfig(ds_config)
 
@@ -271,7 +323,7 @@ def replay_cpu_adam_steps(optimizer) -> None:
     loaded at step k would compute pow(beta, k + 1) instead, which differs in the last bits. Replaying
     the k multiplications on a one-element scratch tensor restores the exact value.
     """
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: PLC0415 - optional dependency ([deepspeed])
 
     if not isinstance(optimizer, DeepSpeedCPUAdam):
         return
@@ -280,4 +332,6 @@ def replay_cpu_adam_steps(optimizer) -> None:
     beta1, beta2 = group["betas"]
     scratch = [torch.zeros(1) for _ in range(4)]  # weight, grad, exp_avg, exp_avg_sq
     for step in range(1, steps + 1):
-        optimizer.ds_opt_adam.adam_update(optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"], *scratch)
+        optimizer.ds_opt_adam.adam_update(
+            optimizer.opt_id, step, group["lr"], beta1, beta2, group["eps"], group["weight_decay"], group["bias_correction"], *scratch
+        )

@@ -13,44 +13,70 @@ the checkpointed optimizer state plain per-rank tensors (safetensors, no pickle)
 
 from __future__ import annotations
 
-import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import distribute_tensor
 
-from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
+from lora_tune import layerwise
 from lora_tune.adapter import materialize_lora, trainable_state_dict
 from lora_tune.engines import common
+from lora_tune.engines.spec import BackendSpec, ModelStates, Placement, share
 from lora_tune.errors import UserError
-from lora_tune.model_loading import attention_implementation, load_config
 
-log = logging.getLogger("lora_tune")
+
+def refusal(precision: str, stage: int, offload: str) -> str | None:
+    if precision == "fp16":
+        return "fp16 needs a loss scaler, which FSDP2 runs don't wire; use --precision bf16 (Ampere or newer)"
+    if offload == "nvme":
+        return "FSDP2 offloads to host memory only; use --offload cpu"
+    return None
+
+
+def place(states: ModelStates, stage: int, offload: str, world: int) -> Placement:
+    """Everything is split (like ZeRO-3), plus two whole layers: the one computing and the next,
+    whose all-gather FSDP2 prefetches. CPUOffloadPolicy keeps the shards of the base, the LoRA
+    weights, gradients and optimizer states on the host, and the optimizer steps there; the
+    device keeps the layers in flight."""
+    device = share(states, world, weights=True, trainable=True, gradients=True, optimizer=True, layers_in_flight=2)
+    if offload != "cpu":
+        return Placement(device)
+    in_flight = 2 * states.layer_weights
+    return Placement(
+        replace(device, weights=in_flight, trainable=0, gradients=0, optimizer=0),
+        host_optimizer=device.trainable + device.gradients + device.optimizer,
+        host_weights=device.weights - in_flight,
+    )
+
+
+SPEC = BackendSpec(
+    name="fsdp",
+    engine="lora_tune.engines.fsdp:FSDPEngine",
+    description="PyTorch FSDP2: shards weights, gradients and optimizer states (fully_shard per layer), optional CPU offload",
+    stages=(0,),  # FSDP2 has no stages: it always shards weights, gradients and states
+    multi_process=True,
+    refusal=refusal,
+    loads_layer_by_layer=lambda precision, stage: True,
+    label=lambda stage: "FSDP2",
+    flags=lambda stage: ("--backend", "fsdp"),
+    place=place,
+    # All-gathers per layer like ZeRO-3, overlapped by FSDP2's prefetch; CPU offload as for ZeRO.
+    slowdown=lambda stage, offload: 1.15 * (1.6 if offload == "cpu" else 1.0),
+    layer_by_layer_alternative="use --zero 3 with --precision bf16 (zero.Init through from_pretrained)",
+)
 
 
 class FSDPEngine:
-    name = "fsdp"
-    ZERO_STAGES = (0,)  # FSDP2 has no stages: it always shards weights, gradients and states
-
-    @staticmethod
-    def loads_layer_by_layer(precision: str, zero: int) -> bool:
-        return True
+    spec = SPEC
     skips_overflow = False
 
-    @staticmethod
-    def refusal(precision: str, zero: int, offload: str) -> str | None:
-        if zero:
-            return "--zero is DeepSpeed's; FSDP2 always shards weights, gradients and optimizer states"
-        if precision == "fp16":
-            return "fp16 needs a loss scaler, which FSDP2 runs don't wire; use --precision bf16 (Ampere or newer)"
-        if offload == "nvme":
-            return "FSDP2 offloads to host memory only; use --offload cpu"
-        return None
-
     def __init__(self, cfg, device: torch.device):
-        from torch.distributed.device_mesh import init_device_mesh
-
         self.cfg = cfg
         self.device = device
         if not torch.distributed.is_initialized():
@@ -61,8 +87,6 @@ class FSDPEngine:
 
     # --- loading -------------------------------------------------------------------------------
     def _policies(self) -> dict:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-
         kwargs = {"mesh": self.mesh}
         if self.cfg.precision in ("bf16", "4bit", "8bit"):
             # Gather and compute in bf16 (4-bit weights are bf16 words already; int8 values are
@@ -74,25 +98,21 @@ class FSDPEngine:
         return kwargs
 
     def load(self, base_path: str, add_adapter):
-        from torch.distributed.fsdp import fully_shard
-
-        from lora_tune import layerwise
-
         cfg = self.cfg
-        try:
-            # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor; 8-bit layers that
-            # keep their int8 matrix only in the (sharded) parameter (lora_tune.int8_sharded).
-            attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device)
-            skeleton, reader = layerwise.build_skeleton(base_path, cfg.precision, cfg.trust_remote_code, quant_storage=torch.bfloat16, shardable_int8=True,
-                                                        attn_implementation=attention)
-        except layerwise.NotStreamable as e:
-            raise UserError(f"--backend fsdp: {base_path} can't be loaded layer by layer ({e}); use --zero 3 with --precision bf16, or --zero 2") from None
+        # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor; 8-bit layers that keep
+        # their int8 matrix only in the (sharded) parameter (lora_tune.int8_sharded).
+        skeleton, reader = layerwise.streamed_skeleton(
+            base_path, cfg, self.device, "--backend fsdp", "use --zero 3 with --precision bf16, or --zero 2"
+        )
         model = add_adapter(skeleton)
         policies = self._policies()
         seed = model.peft_model.lora_tune_seed
         # Offloaded shards live on the host; the layers are still filled (and quantized) on the device.
         layerwise.load_layer_by_layer(
-            model, reader, self.device, cfg.precision,
+            model,
+            reader,
+            self.device,
+            cfg.precision,
             # LoRA values are seeded by layer name within the peft model, as on every backend.
             init_adapter=lambda unit, name: materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device),
             partition=lambda layer: fully_shard(layer, **policies),
@@ -106,9 +126,6 @@ class FSDPEngine:
 
     def load_adapter(self, path: Path) -> None:
         """The saved (whole) adapter, split into this rank's shards."""
-        from safetensors.torch import load_file
-        from torch.distributed.tensor import distribute_tensor
-
         file = path / "adapter_model.safetensors"
         try:
             saved = load_file(str(file))
@@ -181,21 +198,14 @@ class FSDPEngine:
         return trainable_state_dict(self.model.peft_model, full)
 
     def save_state(self, folder: Path) -> None:
-        r = dist.rank()
-        ckpt.save_safe_state(folder, f"training_state_rank{r}", {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()})
-        ckpt.save_rng(folder / f"rng_state_rank{r}.safetensors")
+        common.save_rank_state(folder, self.optimizer, self.scheduler)
 
     def load_state(self, folder: Path) -> None:
-        r = dist.rank()
-        state = ckpt.load_safe_state(folder, f"training_state_rank{r}")
+        state = common.load_rank_state(folder)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        ckpt.load_rng(folder / f"rng_state_rank{r}.safetensors")
 
     def memory_report(self) -> str | None:
         base = [p for p in self.model.parameters() if not p.requires_grad]
-        local = sum(p.to_local().numel() for p in base)
-        full = sum(p.numel() for p in base)
-        held, whole = common.base_tensor_bytes(self.model)
-        where = "host (CPU offload)" if self.cfg.offload == "cpu" else str(self.device)
-        return f"fsdp: rank {dist.rank()} holds {local:,} of {full:,} base parameters ({held:,} of {whole:,} bytes of base tensors) on {where}"
+        partitioned = (sum(p.to_local().numel() for p in base), sum(p.numel() for p in base))
+        return common.memory_line(self.model, self.device, self.cfg.offload, "fsdp", partitioned)

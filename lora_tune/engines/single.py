@@ -8,25 +8,35 @@ from pathlib import Path
 
 import torch
 
-from lora_tune import checkpoint as ckpt
 from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
+from lora_tune.engines.spec import BackendSpec, whole
 from lora_tune.model_loading import attention_implementation, load_base_model, load_config
 
 
+def refusal(precision: str, stage: int, offload: str) -> str | None:
+    if offload != "none":
+        return "--offload needs a sharding backend: --zero 1|2|3 (DeepSpeed) or --backend fsdp"
+    return None
+
+
+SPEC = BackendSpec(
+    name="single",
+    engine="lora_tune.engines.single:SingleDeviceEngine",
+    description="one process on one device (the default)",
+    stages=(0,),
+    multi_process=False,
+    refusal=refusal,
+    loads_layer_by_layer=lambda precision, stage: False,  # from_pretrained, whole
+    label=lambda stage: "one device",
+    flags=lambda stage: (),
+    place=lambda states, stage, offload, world: whole(states),
+    slowdown=lambda stage, offload: 1.0,
+)
+
+
 class SingleDeviceEngine:
-    name = "single"
-    ZERO_STAGES = (0,)
-
-    @staticmethod
-    def loads_layer_by_layer(precision: str, zero: int) -> bool:
-        return False  # from_pretrained, whole
-
-    @staticmethod
-    def refusal(precision: str, zero: int, offload: str) -> str | None:
-        if offload != "none":
-            return "--offload needs a sharding backend: --zero 1|2|3 (DeepSpeed) or --backend fsdp"
-        return None
+    spec = SPEC
 
     def __init__(self, cfg, device: torch.device):
         self.cfg = cfg
@@ -95,21 +105,15 @@ class SingleDeviceEngine:
         return trainable_state_dict(self.model.peft_model)
 
     def save_state(self, folder: Path) -> None:
-        # Tensors and plain numbers only: loaded back with weights_only=True.
-        ckpt.save_torch_state(folder / "training_state.pt", {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict() if self.scaler else None,
-        })
-        ckpt.save_rng(folder / "rng_state.safetensors")
+        extra = {"scaler": self.scaler.state_dict()} if self.scaler else {}
+        common.save_rank_state(folder, self.optimizer, self.scheduler, **extra)
 
     def load_state(self, folder: Path) -> None:
-        state = ckpt.load_torch_state(folder / "training_state.pt")
+        state = common.load_rank_state(folder)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        ckpt.load_rng(folder / "rng_state.safetensors")
 
     def memory_report(self) -> str | None:
         return None

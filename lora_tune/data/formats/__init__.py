@@ -17,12 +17,7 @@ def detect(columns, source: str, option: str = "--data"):
     for fmt in ORDER:
         if set(fmt.COLUMNS) <= present and fmt.claims(present):
             return fmt
-    raise UserError(f"{option}: {source} has columns {sorted(present)}, none of the accepted formats: {ACCEPTED}; "
-                    "rename them with --data-columns (e.g. instruction=question,output=answer)")
-
-
-def string(record: dict, key: str, where: str) -> str:
-    value = record.get(key)
-    if not isinstance(value, str):
-        raise UserError(f"{where}: '{key}' must be a string (got {type(value).__name__})")
-    return value
+    raise UserError(
+        f"{option}: {source} has columns {sorted(present)}, none of the accepted formats: {ACCEPTED}; "
+        "rename them with --data-columns (e.g. instruction=question,output=answer)"
+    )

@@ -1,6 +1,8 @@
 """Alpaca: `instruction`, `input` (optional), `output`, rendered with the Stanford prompt; the loss
 is on the output."""
 
+from lora_tune.data.formats.fields import string
+
 NAME = "alpaca"
 COLUMNS = ("instruction", "output")
 
@@ -21,8 +23,6 @@ def claims(columns: set) -> bool:
 
 
 def pieces(record: dict, where: str, chat) -> list[tuple[str, bool]]:
-    from lora_tune.data.formats import string
-
     extra = record.get("input") or ""
     template = WITH_INPUT if str(extra).strip() else NO_INPUT
     prompt = template.format(instruction=string(record, "instruction", where), input=extra)

@@ -1,6 +1,8 @@
 """Already tokenized: `input_ids`, optional `labels` (-100 where no loss; default: every token) and
 optional `attention_mask` (0 marks padding, which is removed)."""
 
+from lora_tune.errors import UserError
+
 NAME = "pretokenized"
 COLUMNS = ("input_ids",)
 
@@ -10,14 +12,14 @@ def claims(columns: set) -> bool:
 
 
 def tokens(record: dict, where: str, vocab_size: int) -> tuple[list[int], list[int]]:
-    from lora_tune.errors import UserError
-
     ids = record.get("input_ids")
     if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise UserError(f"{where}: 'input_ids' must be a non-empty list of integers")
     if not all(0 <= t < vocab_size for t in ids):
         bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise UserError(f"{where}: token id {bad} is outside the tokenizer's vocabulary (0..{vocab_size - 1}); was it tokenized for another model?")
+        raise UserError(
+            f"{where}: token id {bad} is outside the tokenizer's vocabulary (0..{vocab_size - 1}); was it tokenized for another model?"
+        )
     labels = record.get("labels")
     if labels is None:
         labels = list(ids)

@@ -1,5 +1,7 @@
 """Prompt / completion: `prompt`, `completion`; the loss is on the completion."""
 
+from lora_tune.data.formats.fields import string
+
 NAME = "prompt_completion"
 COLUMNS = ("prompt", "completion")
 
@@ -9,6 +11,4 @@ def claims(columns: set) -> bool:
 
 
 def pieces(record: dict, where: str, chat) -> list[tuple[str, bool]]:
-    from lora_tune.data.formats import string
-
     return [(string(record, "prompt", where), False), (string(record, "completion", where), True)]

@@ -12,9 +12,22 @@ from lora_tune.errors import UserError
 
 NAME = "sharegpt"
 COLUMNS = ("conversations",)
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-         "model": "assistant", "bing": "assistant", "system": "system", "tool": "tool", "function": "tool", "observation": "tool",
-         "ipython": "tool", "function_call": "function_call"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "model": "assistant",
+    "bing": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+    "ipython": "tool",
+    "function_call": "function_call",
+}
 
 
 def claims(columns: set) -> bool:
@@ -38,9 +51,17 @@ def to_messages(turns, where: str) -> list[dict]:
         if role == "function_call":
             try:
                 call = json.loads(value) if isinstance(value, str) else value
-                messages.append({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}]})
+                messages.append(
+                    {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [{"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}],
+                    }
+                )
             except (ValueError, TypeError, KeyError):
-                raise UserError(f"{where}: conversations[{j}] (function_call) must hold a JSON call like {{\"name\": ..., \"arguments\": ...}}") from None
+                raise UserError(
+                    f'{where}: conversations[{j}] (function_call) must hold a JSON call like {{"name": ..., "arguments": ...}}'
+                ) from None
         else:
             messages.append({"role": role, "content": value})
     return messages

@@ -1,5 +1,7 @@
 """Plain text: `text`; the loss is on every token."""
 
+from lora_tune.data.formats.fields import string
+
 NAME = "text"
 COLUMNS = ("text",)
 
@@ -9,6 +11,4 @@ def claims(columns: set) -> bool:
 
 
 def pieces(record: dict, where: str, chat) -> list[tuple[str, bool]]:
-    from lora_tune.data.formats import string
-
     return [(string(record, "text", where), True)]

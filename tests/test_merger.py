@@ -8,19 +8,30 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import load_file
+from safetensors.torch import load_file as load
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import fast_train_args, run_cli, single_error_line
+from lora_tune.cli import main
+from lora_tune.merger import lora_modules, unmerged_forward
+from lora_tune.tiny_model import build_tiny_llama
+
+from helpers import TEXT, fast_train_args, run_cli, single_error_line, write_jsonl
 
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
     """One adapter per flavour, trained through the CLI on the tiny model."""
-    from conftest import TEXT, write_jsonl
-    from lora_tune.cli import main
-
     root = tmp_path_factory.mktemp("adapters")
     data = write_jsonl(root / "text.jsonl", TEXT)
-    flavours = {"fp32": {}, "8bit": {"precision": "8bit"}, "4bit": {"precision": "4bit"}, "rslora": {"rslora": True}, "dora": {"dora": True}}
+    flavours = {
+        "fp32": {},
+        "8bit": {"precision": "8bit"},
+        "4bit": {"precision": "4bit"},
+        "rslora": {"rslora": True},
+        "dora": {"dora": True},
+    }
     for name, kw in flavours.items():
         # A high learning rate so the adapter moves far from identity and a wrong merge shows.
         assert main([str(a) for a in fast_train_args(tiny_model, data, root / name, max_steps=3, lr=5e-2, **kw)]) == 0
@@ -28,17 +39,12 @@ def adapters(tiny_model, tmp_path_factory):
 
 
 def reference_logits(base: Path, adapter: Path, ids: torch.Tensor) -> torch.Tensor:
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), adapter).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
 
 
 def merged_logits(merged: Path, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -59,19 +65,19 @@ def test_merged_logits_equal_base_plus_adapter(flavour, dtype, tol, adapters, ti
     base_only = merged_logits(tiny_model, IDS)
     scale = want.abs().max()
     assert (got - want).abs().max() / scale < tol
-    assert (base_only - want).abs().max() / scale > 10 * tol or dtype == "bf16", "the adapter must change the function, or the test proves nothing"
+    assert (base_only - want).abs().max() / scale > 10 * tol or dtype == "bf16", (
+        "the adapter must change the function, or the test proves nothing"
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype] and "quantization_config" not in config
 
 
 def test_fp32_merge_is_bit_identical_to_peft_merge_and_unload(adapters, tiny_model, tmp_path, capsys):
-    from peft import PeftModel
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path / "merged"
     assert run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--dtype", "fp32"], capsys)[0] == 0
-    usual = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapters["fp32"]).merge_and_unload()
+    usual = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapters["fp32"]
+    ).merge_and_unload()
     ours = load_file(str(out / "model.safetensors"))
     theirs = usual.state_dict()
     assert set(ours) == set(theirs)
@@ -80,8 +86,6 @@ def test_fp32_merge_is_bit_identical_to_peft_merge_and_unload(adapters, tiny_mod
 
 
 def test_merged_folder_is_plain_transformers_with_tokenizer_and_template(adapters, tiny_model, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     out = tmp_path / "merged"
     assert run_cli(["merge", "--adapter", adapters["4bit"], "--output", out], capsys)[0] == 0
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -97,8 +101,6 @@ def test_merged_folder_is_plain_transformers_with_tokenizer_and_template(adapter
 
 @pytest.fixture(scope="module")
 def sharded_base(tiny_model, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
     out = tmp_path_factory.mktemp("sharded")
     AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(out, max_shard_size="150KB")
     for f in tiny_model.iterdir():
@@ -110,7 +112,10 @@ def sharded_base(tiny_model, tmp_path_factory):
 
 def test_merge_streams_a_sharded_base_into_shards_with_index(adapters, sharded_base, tmp_path, capsys):
     out = tmp_path / "merged"
-    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--base", sharded_base, "--output", out, "--dtype", "fp32", "--max-shard-size", "200KB"], capsys)
+    code, _, err = run_cli(
+        ["merge", "--adapter", adapters["fp32"], "--base", sharded_base, "--output", out, "--dtype", "fp32", "--max-shard-size", "200KB"],
+        capsys,
+    )
     assert code == 0, err
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -151,12 +156,16 @@ def test_overwrite_replaces_only_when_asked(adapters, tmp_path, capsys):
 
 def test_modules_to_save_and_rank_pattern_follow_peft(tiny_model, tmp_path, capsys):
     """An adapter written by peft itself, with options our trainer doesn't produce."""
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(0)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"down_proj": 2}, alpha_pattern={"v_proj": 32}, modules_to_save=["lm_head"], init_lora_weights=False)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"down_proj": 2},
+        alpha_pattern={"v_proj": 32},
+        modules_to_save=["lm_head"],
+        init_lora_weights=False,
+    )
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model), cfg)
     with torch.no_grad():
         model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.5)
@@ -172,8 +181,6 @@ def test_modules_to_save_and_rank_pattern_follow_peft(tiny_model, tmp_path, caps
 
 
 def test_merge_errors(adapters, tiny_model, tmp_path, capsys):
-    from lora_tune.tiny_model import build_tiny_llama
-
     cases = []
     cases.append((["--adapter", tmp_path / "nope", "--output", tmp_path / "o1"], "does not exist"))
     (tmp_path / "not-adapter").mkdir()
@@ -193,11 +200,6 @@ def test_merge_errors(adapters, tiny_model, tmp_path, capsys):
 @pytest.mark.parametrize("flavour", ["fp32", "rslora", "dora"])
 def test_layer_verification_reference_equals_peft_layer(flavour, adapters, tiny_model):
     """The merge verifies against its own unmerged forward; that reference must be peft's."""
-    from peft import PeftModel
-    from safetensors.torch import load_file as load
-    from transformers import AutoModelForCausalLM
-
-    from lora_tune.merger import lora_modules, unmerged_forward
 
     config = json.loads((adapters[flavour] / "adapter_config.json").read_text())
     modules, _ = lora_modules(config, load(str(adapters[flavour] / "adapter_model.safetensors")))

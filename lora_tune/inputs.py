@@ -1,0 +1,255 @@
+"""Everything about the user's input, checked before a single weight is loaded: the backend cell,
+the output folder and what to resume, the base and its tokenizer, the LoRA targets and speed levers
+for this model, the whole dataset, the resume compatibility, and the memory plan.
+
+`check_inputs(cfg)` returns a frozen `RunInputs`: the recipe only ever reads it. The `--nproc`
+launcher runs it too, so a bad input fails once, in one line, before any process starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_tune import checkpoint as ckpt
+from lora_tune import distributed as dist
+from lora_tune import engines, planner
+from lora_tune.adapter import Targets, meta_model, resolve_targets
+from lora_tune.aliases import resolve_base
+from lora_tune.batching import MicroBatches
+from lora_tune.config import TrainConfig
+from lora_tune.data import PreparedData, prepare_data
+from lora_tune.data.prompts import read_eval_prompts
+from lora_tune.errors import UserError
+from lora_tune.loss import chunking_refusal
+from lora_tune.metrics import check_reporter
+from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, model_class, packing_refusal, pick_device
+from lora_tune.planner.architecture import unquantized_experts
+from lora_tune.planner.memory import GIB, Estimate, Setup
+
+log = logging.getLogger("lora_tune")
+
+RUN_FILES = ("lora_tune_config.yaml", "adapter_config.json", "metrics.jsonl")
+
+
+@dataclass(frozen=True)
+class SpeedLevers:
+    """Packing, the chunked loss and the attention kernels as they apply to this model and machine."""
+
+    packing: bool
+    loss_chunk_size: int | None  # None: per micro-batch (auto); 0: the model's own full-logits loss
+    attention: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of this run, kept for what an out-of-memory stop prints."""
+
+    estimate: Estimate
+    setup: Setup
+    device_bytes: int
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """The checked inputs of one run, fully built before anything heavy is loaded."""
+
+    cfg: TrainConfig
+    output_dir: Path
+    resume_from: Path | None  # the checkpoint to continue from
+    saved_state: dict | None  # its trainer_state.json
+    base_path: str  # what from_pretrained takes
+    base_id: str  # what the adapter records as its base
+    tokenizer: object
+    device: torch.device
+    targets: Targets | None  # None: remote code, resolved on the loaded model
+    levers: SpeedLevers
+    data: PreparedData
+    eval_prompts: list[list[int]]
+    batches: MicroBatches
+    total_steps: int
+    plan: MemoryPlan | None  # None when the architecture can't be read offline
+
+
+def math_config(cfg: TrainConfig) -> dict:
+    return {k: getattr(cfg, k) for k in TrainConfig.math_keys()}
+
+
+def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
+    if cfg.max_steps:
+        return cfg.max_steps
+    return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * dist.world_size())))
+
+
+def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
+    """The output folder, and the checkpoint to resume from (None for a fresh run)."""
+    out = Path(cfg.output_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--output-dir: {out} is a file; give a folder")
+    complete, incomplete = ckpt.list_checkpoints(out)
+    if not dist.is_main():
+        # Rank 0 judges the folder (and takes its lock) for the job; by the time another rank looks,
+        # rank 0 may already have written this run's first files there.
+        return out, complete[-1] if cfg.resume and complete else None
+    holder = ckpt.lock_holder(out)
+    if holder:
+        raise UserError(
+            f"--output-dir: {out} is being written by another lora-tune run ({holder}); wait for it to end or choose another --output-dir"
+        )
+    holds_run = bool(complete or incomplete) or any((out / f).exists() for f in RUN_FILES)
+    if not cfg.resume:
+        if holds_run:
+            raise UserError(f"--output-dir: {out} already holds a run; pass --resume to continue it, or choose another --output-dir")
+        return out, None
+    if not complete:
+        ckpt.remove_leftovers(out)
+        if holds_run:
+            # Killed before its first checkpoint: there is nothing to lose, so start over.
+            log.warning("no complete checkpoint in %s (%d incomplete ignored); starting from step 0", out, len(incomplete))
+            return out, None
+        raise UserError(f"--resume: no run to resume in {out}; start without --resume or point --output-dir at the run")
+    leftovers = ckpt.remove_leftovers(out)
+    if leftovers:
+        log.info("removed %d temporary folder(s) left by an interrupted save", len(leftovers))
+    newer_incomplete = [p.name for p in incomplete if ckpt.step_of(p) > ckpt.step_of(complete[-1])]
+    if newer_incomplete:
+        log.warning("ignoring incomplete checkpoint(s) %s (no %s marker)", ", ".join(newer_incomplete), ckpt.MARKER)
+    return out, complete[-1]
+
+
+def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir: Path) -> dict:
+    """The checkpoint's trainer state, when the math it was trained with is the math asked for now."""
+    state = ckpt.read_json(checkpoint_dir / "trainer_state.json")
+    saved = state.get("math_config", {})
+    now = math_config(cfg)
+    differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if state.get("data_fingerprint") != data.fingerprint:
+        differing.append("data content (fingerprint)")
+    if differing and not cfg.allow_config_change:
+        details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" if k in now else k for k in differing)
+        raise UserError(
+            f"--resume: the run in {checkpoint_dir.parent} was trained with other settings ({details}); restore them, or pass "
+            "--allow-config-change"
+        )
+    if differing:
+        log.warning("resuming with changed settings (--allow-config-change): %s", ", ".join(differing))
+    return state
+
+
+def lora_targets(cfg: TrainConfig, config) -> Targets | None:
+    """--target-modules resolved on a meta skeleton of the model (shapes only, no weights), so a
+    bad name or an unsupported combination fails before loading; what is adapted is logged."""
+    if model_class(config) is None:
+        return None  # remote code: resolved on the loaded model
+    skeleton = meta_model(config)
+    targets = resolve_targets(skeleton, cfg)
+    log.info("LoRA targets: %s", targets.describe(skeleton))
+    fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
+    note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
+    if note:
+        log.warning(note)
+    return targets
+
+
+def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
+    """Packing, the chunked loss, activation offload and the attention kernels, checked against
+    this model and machine from its config alone; what can't apply says so in one line."""
+    attention = attention_implementation(cfg.attn_implementation, config, device)
+    packing = cfg.packing
+    reason = packing_refusal(config) if cfg.packing else None
+    if reason:
+        log.warning("packing off: %s; training on padded batches instead (pass --no-packing to silence this)", reason)
+        packing = False
+    chunk = cfg.loss_chunk_size
+    reason = chunking_refusal(config) if chunk != 0 else None
+    if reason:
+        log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
+        chunk = 0
+    if cfg.activation_offload and not cfg.gradient_checkpointing:
+        raise UserError("--activation-offload moves the inputs that gradient checkpointing keeps: it needs --gradient-checkpointing")
+    if cfg.activation_offload and device.type != "cuda":
+        raise UserError(f"--activation-offload needs a CUDA GPU (on {device} the activations already live in host memory); leave it out")
+    chunks = "full logits" if chunk == 0 else f"chunked ({chunk or 'auto'} tokens per chunk)"
+    log.info("attention: %s; packing %s; loss %s", attention, "on" if packing else "off", chunks)
+    return SpeedLevers(packing, chunk, attention)
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
+
+
+def preflight(cfg: TrainConfig, device: torch.device):
+    """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
+    when it will not fit. None when the architecture can't be read offline."""
+    try:
+        arch = planner.load_architecture(cfg.base)
+    except UserError as e:
+        log.info("memory plan skipped: %s", e)
+        return None
+    setup = planner.setup_from(cfg)
+    estimate = planner.estimate(arch, setup)
+    need, have = estimate.per_device["total_bytes"], device_memory_bytes(device)
+    log.info("memory plan: %.2f GiB of %.2f GiB on %s", need / GIB, have / GIB, device)
+    if need > have:
+        message = (
+            f"the memory plan needs {need / GIB:.1f} GiB but {device} has {have / GIB:.1f} GiB; "
+            "run `lora-tune plan --auto` with these options for a setup that fits"
+        )
+        if cfg.strict_memory:
+            raise UserError(f"--strict-memory: {message}")
+        log.warning("warning: %s", message)
+    return MemoryPlan(estimate, setup, have)
+
+
+def check_inputs(cfg: TrainConfig) -> RunInputs:
+    engines.check_compatibility(cfg)
+    check_reporter(cfg.report_to)
+    output_dir, resume_from = check_output_dir(cfg)
+    base_path = resolve_base(cfg.base)
+    base_id = base_path if not Path(base_path).is_dir() else str(Path(base_path).resolve())
+    tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
+    device = pick_device()
+    config = load_config(base_path, cfg.trust_remote_code)
+    engines.check_layer_by_layer(cfg, config.model_type)
+    targets = lora_targets(cfg, config)
+    levers = speed_levers(cfg, config, device)
+    eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message) if cfg.eval_prompts else []
+    data = prepare_data(cfg, tokenizer)
+    for line in data.per_source if len(data.per_source) > 1 else []:
+        log.info("data source %s", line)
+    log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
+    saved_state = check_resume_compatible(cfg, data, resume_from) if resume_from else None
+    batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, cfg.max_seq_len)
+    if levers.packing:
+        tokens = sum(data.train.lengths)
+        log.info(
+            "packing: %d samples in %d rows of up to %d tokens (%.0f%% full)",
+            len(data.train),
+            batches.n_rows,
+            cfg.max_seq_len,
+            100 * tokens / (batches.n_rows * cfg.max_seq_len),
+        )
+    return RunInputs(
+        cfg=cfg,
+        output_dir=output_dir,
+        resume_from=resume_from,
+        saved_state=saved_state,
+        base_path=base_path,
+        base_id=base_id,
+        tokenizer=tokenizer,
+        device=device,
+        targets=targets,
+        levers=levers,
+        data=data,
+        eval_prompts=eval_prompts,
+        batches=batches,
+        total_steps=total_steps(cfg, len(batches)),
+        plan=preflight(cfg, device),
+    )

@@ -1,0 +1,249 @@
+"""The training loop, flat: build the step's micro-batches, forward/backward each, one optimizer step,
+then log / evaluate / checkpoint / stop as the cadence says. Also what ends a run: the final
+evaluation, checkpoint and adapter, a signal, a NaN streak, an out-of-memory step."""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lora_tune import checkpoint as ckpt
+from lora_tune import distributed as dist
+from lora_tune.adapter import save_adapter
+from lora_tune.batching import collate, pack_best_fit_decreasing
+from lora_tune.engines import Engine
+from lora_tune.errors import TrainingStopped
+from lora_tune.inputs import RunInputs, math_config
+from lora_tune.metrics import MetricsLog, Progress, peak_memory_bytes
+from lora_tune.planner import render
+
+log = logging.getLogger("lora_tune")
+
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+
+class TrainingLoop:
+    """One loaded run: the inputs, the engine with its model, the trainer state and the metrics log
+    (rank 0), all given whole."""
+
+    def __init__(self, inputs: RunInputs, engine: Engine, model, state: ckpt.TrainerState, metrics: MetricsLog | None):
+        self.inputs, self.cfg = inputs, inputs.cfg
+        self.engine, self.model, self.state, self.metrics = engine, model, state, metrics
+        tokenizer = inputs.tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.stop_signal: int | None = None
+        self.progress: Progress | None = None
+        self.last_eval_step: int | None = None
+        self.stepped = False  # this process has done a step (memory is reported after the first)
+
+    # --- batches ---------------------------------------------------------------------------------
+    def step_batches(self, step: int) -> list:
+        """This rank's micro-batches of optimizer step `step`: the global micro-batch sequence is
+        dealt out round-robin, so N ranks together see what one process would, in order."""
+        world, rank = dist.world_size(), dist.rank()
+        first = step * self.cfg.grad_accum
+        train, packing = self.inputs.data.train, self.inputs.levers.packing
+        return [
+            collate([[train[i] for i in row] for row in self.inputs.batches.rows(j * world + rank)], self.pad_id, packing)
+            for j in range(first, first + self.cfg.grad_accum)
+        ]
+
+    def eval_batches(self) -> list:
+        samples, mbs, packing = self.inputs.data.eval, self.cfg.micro_batch_size, self.inputs.levers.packing
+        rows = pack_best_fit_decreasing(samples.lengths, self.cfg.max_seq_len) if packing else [[i] for i in range(len(samples))]
+        return [collate([[samples[i] for i in row] for row in rows[j : j + mbs]], self.pad_id, packing) for j in range(0, len(rows), mbs)]
+
+    # --- the loop ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        previous = {s: signal.signal(s, self._on_signal) for s in EXIT_SIGNAL}
+        self.progress = Progress(self.inputs.total_steps, self.state.step) if dist.is_main() else None
+        try:
+            while self.state.step < self.inputs.total_steps:
+                self._one_step()
+        finally:
+            if self.progress:
+                self.progress.close()
+            self.progress = None
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _one_step(self) -> None:
+        cfg, state = self.cfg, self.state
+        t0 = time.perf_counter()
+        batches = self.step_batches(state.step)
+        # The step's loss is the sum over every label token of every rank, divided by their count.
+        # Each rank divides by count / world size, because the backends average gradients over
+        # ranks: N ranks then compute exactly what one process would.
+        n_labels = dist.all_sum(sum(b.label_tokens for b in batches))
+        divisor = n_labels / dist.world_size() if dist.world_size() > 1 else n_labels
+        try:
+            loss = sum(float(self.engine.forward_backward(b, divisor)) for b in batches)
+            loss = dist.all_sum(loss) / dist.world_size()  # what is logged: the whole step's loss
+            grad_norm, applied = self.engine.step()
+        except torch.OutOfMemoryError:
+            self._out_of_memory()
+        state.step += 1
+        if not self.stepped:  # the first step is when layers build their lasting state (bitsandbytes does)
+            self.report_memory(f"after step {state.step}")
+            self.stepped = True
+        step_tokens = sum(b.tokens for b in batches)
+        state.tokens_seen += step_tokens
+        seconds = time.perf_counter() - t0
+        bad = dist.any_rank(not math.isfinite(loss) or (not applied and not self.engine.skips_overflow))
+        state.bad_steps_in_a_row = state.bad_steps_in_a_row + 1 if bad else 0
+        peak = peak_memory_bytes(self.inputs.device)
+        if self.progress:
+            self.progress.update(loss, step_tokens / seconds, peak)
+        if self.metrics and (bad or state.step % cfg.logging_steps == 0 or state.step == self.inputs.total_steps):
+            self.metrics.write(
+                {
+                    "step": state.step,
+                    "loss": loss,
+                    "lr": self.engine.lr,
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": step_tokens / seconds,
+                    "peak_memory_bytes": peak,
+                    "tokens_seen": state.tokens_seen,
+                    "step_seconds": seconds,
+                    "skipped": not applied,
+                }
+            )
+        if self._has_eval() and cfg.eval_steps and state.step % cfg.eval_steps == 0:
+            self.evaluate()
+        if state.bad_steps_in_a_row >= cfg.max_bad_steps:
+            good = ckpt.newest_complete(self.inputs.output_dir)
+            where = f"the last good checkpoint is {good}" if good else "no checkpoint was written before it"
+            raise TrainingStopped(
+                f"loss or gradient norm was NaN/inf for {state.bad_steps_in_a_row} steps in a row (up to step {state.step}); "
+                f"{where}. Lower --lr, check the data, or use bf16 instead of fp16",
+                3,
+            )
+        # No periodic save during a bad streak: the newest checkpoint stays the last good one.
+        if cfg.save_steps and state.step % cfg.save_steps == 0 and state.step < self.inputs.total_steps and not bad:
+            self.save_checkpoint()
+        # All ranks agree to stop at the same step, whichever got the signal.
+        if dist.any_rank(self.stop_signal is not None):
+            path = self.save_checkpoint()
+            signum = self.stop_signal or signal.SIGTERM
+            raise TrainingStopped(
+                f"stopped by {signal.Signals(signum).name} after step {state.step}; checkpoint saved to {path}. "
+                "Continue with the same command plus --resume",
+                EXIT_SIGNAL[signum],
+            )
+
+    def _on_signal(self, signum, frame):  # noqa: ARG002 - signal handler signature
+        # Only set a flag: the step in flight finishes, then the loop checkpoints and exits.
+        self.stop_signal = signum
+
+    def _out_of_memory(self):
+        """The step in flight is dropped (weights and optimizer are still those of the last
+        completed step), its state checkpointed, and the plan printed with what to change."""
+        self.engine.zero_grad()
+        device = self.inputs.device
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        path = self.save_checkpoint() if self.state.step > 0 else None
+        lines = [f"out of memory at step {self.state.step + 1} on {device}."]
+        plan = self.inputs.plan
+        if plan:
+            lines.append(render.table(plan.estimate, plan.setup, plan.device_bytes, None))
+        lines.append("try, in this order: " + "; ".join(render.OOM_ADVICE))
+        lines.append(f"checkpoint saved to {path}; continue with --resume" if path else "no step had completed, so nothing was saved")
+        raise TrainingStopped("\n".join(lines), 1, "error")
+
+    def report_memory(self, when: str) -> None:
+        report = self.engine.memory_report()
+        if report:  # every rank: each says what it holds
+            print(f"{report}, peak {peak_memory_bytes(self.inputs.device) / 2**30:.2f} GiB ({when})", file=sys.stderr, flush=True)
+
+    # --- evaluation -----------------------------------------------------------------------------------
+    def _has_eval(self) -> bool:
+        return bool(self.inputs.data.eval or self.inputs.eval_prompts)
+
+    def evaluate(self) -> None:
+        """Eval loss (when there is eval data) and sample generations (when there are prompts);
+        every rank takes part: under ZeRO-3 and FSDP2 the forward is collective."""
+        self.last_eval_step = self.state.step
+        lines = []
+        if self.inputs.data.eval:
+            total, tokens = self.engine.evaluate(self.eval_batches())
+            loss = total / max(tokens, 1)
+            result = {"step": self.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+            if self.metrics:
+                self.metrics.write(result)
+            lines.append(f"eval at step {result['step']}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+        if self.inputs.eval_prompts:
+            tokenizer = self.inputs.tokenizer
+            completions = self.engine.generate(self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)
+            samples = [
+                {"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": tokenizer.decode(c, skip_special_tokens=True)}
+                for p, c in zip(self.inputs.eval_prompts, completions)
+            ]
+            if self.metrics:
+                self.metrics.write({"step": self.state.step, "samples": samples})
+            lines.append(f"sample at step {self.state.step}: {samples[0]['prompt'][-60:]!r} -> {samples[0]['completion'][:120]!r}")
+        for line in lines if self.metrics else []:
+            self.progress.write(line) if self.progress else log.info("%s", line)
+
+    # --- checkpoints and the end ---------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        output_dir, step = self.inputs.output_dir, self.state.step
+        adapter = self.engine.adapter_state()  # collective where the adapter is sharded
+        try:
+            removed = ckpt.write(
+                output_dir, step, self.cfg.save_total_limit, self.engine.save_state, lambda folder: self._write_main_part(folder, adapter)
+            )
+        except OSError as e:
+            # Full disk, quota, I/O error: the writer already removed its temp folder, and the
+            # checkpoints written before are untouched.
+            good = ckpt.newest_complete(output_dir)
+            kept = f"{good.name} is intact" if good else "no earlier checkpoint exists"
+            raise TrainingStopped(
+                f"could not write checkpoint-{step} in {output_dir} ({e.strerror or e}); {kept}. Free space and rerun with --resume",
+                1,
+                "error",
+            ) from None
+        if removed:
+            log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
+        return output_dir / f"checkpoint-{step}"
+
+    def _write_main_part(self, folder: Path, adapter: dict) -> None:
+        save_adapter(self.model.peft_model, folder, adapter)
+        ckpt.write_json(
+            folder / "trainer_state.json",
+            {
+                **vars(self.state),
+                "micro_batches_done": self.state.step * self.cfg.grad_accum * dist.world_size(),
+                "world_size": dist.world_size(),
+                "data_fingerprint": self.inputs.data.fingerprint,
+                "math_config": math_config(self.cfg),
+            },
+        )
+
+    def finish(self) -> None:
+        """The final evaluation (unless the loop just ran it), a final checkpoint (so a later
+        --resume can extend the run), then the adapter and tokenizer in the output folder."""
+        if self._has_eval() and self.last_eval_step != self.state.step:
+            self.evaluate()
+        self.save_checkpoint()
+        adapter = self.engine.adapter_state()
+        if not dist.is_main():
+            return
+        output_dir = self.inputs.output_dir
+        try:
+            save_adapter(self.model.peft_model, output_dir, adapter)
+        except OSError as e:
+            raise TrainingStopped(
+                f"could not write the final adapter to {output_dir} ({e.strerror or e}); checkpoint-{self.state.step} holds it. "
+                "Free space and rerun with --resume",
+                1,
+                "error",
+            ) from None
+        self.inputs.tokenizer.save_pretrained(str(output_dir))
+        log.info("adapter written to %s", output_dir)

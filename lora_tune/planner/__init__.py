@@ -1,0 +1,83 @@
+"""`lora-tune plan`: will a fine-tune fit, and which setup that fits is fastest.
+
+Everything is computed from config.json alone (shipped for aliases), never from weights. One module
+per step: `architecture` (shapes from a meta skeleton), `memory` (bytes per device and host; the
+backends say how states are split and offloaded), `speed` (relative throughput), `search`
+(`--auto`), `hardware` (GPU names and sizes) and `render` (tables, commands, advice).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from lora_tune import engines
+from lora_tune.planner import render
+from lora_tune.planner.architecture import load_architecture
+from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
+from lora_tune.planner.memory import Estimate, Setup, estimate, setup_from
+from lora_tune.planner.search import fits, search
+from lora_tune.planner.speed import relative_speed
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `lora-tune plan` computes: the numbers of `--json`, and the table it prints."""
+
+    estimate: Estimate
+    fits: bool
+    setup: Setup
+    auto: bool  # a search (--auto) rather than one setup
+    recommended: dict | None  # --auto: the fastest setup that fits and its train command (None: nothing fits)
+    text: str
+
+    @property
+    def trainable_parameters(self) -> int:
+        return self.estimate.trainable_parameters
+
+    @property
+    def per_device(self) -> dict[str, int]:
+        return self.estimate.per_device
+
+    @property
+    def host(self) -> dict[str, int]:
+        return self.estimate.host
+
+    def to_json(self) -> dict:
+        out = {"trainable_parameters": self.trainable_parameters, "per_device": self.per_device, "host": self.host, "fits": self.fits}
+        return {**out, "recommended": self.recommended} if self.auto else out
+
+
+def compute(cfg) -> Plan:
+    # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
+    engines.check_compatibility(cfg, paths=False)
+    arch = load_architecture(cfg.base)
+    if not cfg.auto:
+        engines.check_layer_by_layer(cfg, arch.model_type)
+    setup = setup_from(cfg)
+    gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
+    cpu_bytes = cpu_memory_bytes(cfg.cpu_memory)
+    recommended = None
+    if cfg.auto:
+        best, est, nearest = search(arch, setup, gpu_bytes, cpu_bytes)
+        if best is None:
+            setup, est = nearest
+            text = "nothing fits; the nearest option:\n" + render.table(est, setup, gpu_bytes, cpu_bytes)
+        else:
+            setup, command = best, render.train_command(cfg.base, best)
+            recommended = asdict(best) | {"command": command}
+            table = render.table(est, best, gpu_bytes, cpu_bytes)
+            text = f"fastest setup that fits (relative speed {relative_speed(best):.2f}):\n{table}\n\n{command}"
+    else:
+        est = estimate(arch, setup)
+        text = render.table(est, setup, gpu_bytes, cpu_bytes)
+    note = render.quantization_note(arch, setup.precision)
+    text = f"{text}\n{note}" if note else text
+    return Plan(est, fits(est, gpu_bytes, cpu_bytes), setup, bool(cfg.auto), recommended, text)
+
+
+def run(cfg) -> int:
+    """The `lora-tune plan` command; prints a table (or JSON) and returns the exit code."""
+    result = compute(cfg)
+    print(json.dumps(result.to_json()) if cfg.print_json else result.text)
+    return 0

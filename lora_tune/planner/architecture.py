@@ -1,0 +1,136 @@
+"""The shapes of a model, read off a meta-device skeleton of its config.json: no weights, no memory,
+any family transformers implements (fused projections, Conv1D, tied embeddings, MoE experts all
+counted exactly, as stored)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import hf_hub_download
+from transformers import AutoConfig
+
+from lora_tune.adapter import Inventory, block_path, in_blocks, is_linear, meta_model
+from lora_tune.aliases import ALIASES, architecture, looks_like_path, resolve_base
+from lora_tune.errors import UserError, first_line
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """The shapes of a causal LM, read off a meta-device skeleton of its config (no weights, no
+    memory): every family transformers implements, counted exactly, whatever it fuses, ties,
+    shares or spreads over experts."""
+
+    model_type: str
+    hidden: int
+    intermediate: int  # MLP width (per expert for MoE)
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    gated: bool  # SwiGLU/GeGLU MLP (gate, up, product) or a plain one (fc, activation)
+    experts: int  # 0: dense
+    active_experts: int  # experts per token (MoE)
+    linears: tuple[tuple[str, int, int], ...]  # (short name, in, out) of every linear layer in the blocks
+    tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (path in a block, shape): fused expert tensors, routers
+    inventory: Inventory
+    total: int  # every parameter
+    other_params: int  # not in a linear weight: embeddings, head, norms, biases, experts, routers
+
+    @classmethod
+    def from_config(cls, c: dict) -> Architecture:
+        return _architecture(json.dumps(c, sort_keys=True, default=str))
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters in fused 3-D expert tensors (bitsandbytes leaves them unquantized)."""
+        return sum(math.prod(shape) for _, shape in self.tensors if len(shape) == 3)
+
+
+@functools.lru_cache(maxsize=16)
+def _architecture(config_json: str) -> Architecture:
+    c = json.loads(config_json)
+    model_type = c.get("model_type")
+    try:
+        config = AutoConfig.for_model(model_type, **{k: v for k, v in c.items() if k != "model_type"})
+        skeleton = meta_model(config)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(
+            f"--base: transformers can't build model_type {model_type!r} from this config.json ({first_line(e)[:120]}); "
+            "only causal LMs that transformers implements (no remote code) can be planned"
+        ) from None
+    linears, linear_weights = [], set()
+    for name, m in skeleton.named_modules():
+        if is_linear(m) and in_blocks(name):
+            # Conv1D (GPT-2) stores its weight (in, out)
+            n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else tuple(m.weight.shape)
+            linears.append((name.rsplit(".", 1)[-1], int(n_in), int(n_out)))
+            linear_weights.add(f"{name}.weight")
+    params = dict(skeleton.named_parameters())
+    tensors = tuple((block_path(n), tuple(p.shape)) for n, p in params.items() if in_blocks(n) and p.dim() >= 2 and n not in linear_weights)
+    total = sum(p.numel() for p in params.values())
+    names = {n for n, _, _ in linears}
+
+    def get(*keys):
+        return next((getattr(config, k) for k in keys if getattr(config, k, None)), None)
+
+    try:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+    except AttributeError as e:  # e.g. Mamba: no attention, so no activation model here
+        raise UserError(f"--base: {model_type} has no attention layers ({e}); the planner models transformer decoders only") from None
+    return Architecture(
+        model_type=model_type,
+        hidden=hidden,
+        intermediate=get("moe_intermediate_size", "intermediate_size", "n_inner") or 4 * hidden,
+        layers=config.num_hidden_layers,
+        heads=heads,
+        kv_heads=get("num_key_value_heads") or heads,
+        head_dim=get("head_dim") or hidden // heads,
+        vocab=config.vocab_size,
+        gated=bool(names & {"gate_proj", "gate_up_proj", "w1"}) or any("gate_up" in t for t, _ in tensors),
+        experts=get("num_local_experts", "num_experts", "n_routed_experts") or 0,
+        active_experts=get("num_experts_per_tok") or 1,
+        linears=tuple(linears),
+        tensors=tensors,
+        inventory=Inventory.of(skeleton),
+        total=total,
+        other_params=total - sum(a * b for _, a, b in linears),
+    )
+
+
+def load_architecture(base: str) -> Architecture:
+    """Of an alias (its shipped config.json), a local model folder, or a hub id (its config.json)."""
+    if base in ALIASES:
+        return Architecture.from_config(architecture(base))
+    if looks_like_path(base):
+        path = Path(base).expanduser() / "config.json"
+        if not path.is_file():
+            raise UserError(f"--base: {path} does not exist; give a model folder with a config.json, or an alias from `lora-tune models`")
+        return Architecture.from_config(json.loads(path.read_text()))
+    resolved = resolve_base(base)  # unknown aliases fail here, with a suggestion
+    try:
+        return Architecture.from_config(json.loads(Path(hf_hub_download(resolved, "config.json")).read_text()))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - hub errors come in many types
+        raise UserError(f"--base: could not read config.json of {resolved} ({first_line(e)}); pass an alias or a local folder") from None
+
+
+def unquantized_experts(precision: str, fused: int, total: int) -> str | None:
+    """bitsandbytes quantizes linear layers only: how much of the model (`fused` of `total`
+    parameters in 3-D expert tensors) stays in bf16 under 8/4-bit. Said by `train` and `plan`."""
+    if precision in ("8bit", "4bit") and fused:
+
+        def count(n):
+            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+        return (
+            f"{precision}: bitsandbytes quantizes linear layers only; this model's fused MoE expert tensors "
+            f"({count(fused)} of {count(total)} parameters) stay in bf16"
+        )
+    return None

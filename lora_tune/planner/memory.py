@@ -1,0 +1,261 @@
+"""The memory model: bytes per device and per host for one setup, from the architecture alone.
+
+* Model states, per tensor, exactly as the libraries store them: bf16/fp16/fp32 weights; LLM.int8
+  (int8 + one fp32 scale per output row); NF4 with double quantization (packed 4-bit, uint8 absmax
+  per 64, fp32 absmax per 256 blocks, code books); LoRA weights, gradients in fp32; AdamW (two fp32
+  states + step), bitsandbytes 8-bit AdamW (two uint8 states, fp32 absmax per 256, two 256-entry
+  code books; tensors under 4096 elements stay 32-bit). How they are split over ranks and what CPU
+  offload moves to the host is each backend's own declaration (`BackendSpec.place`).
+* Activations, per token and per layer, for HF's Llama-family layer with peft LoRA under autocast,
+  derived by listing what autograd saves (and checked against saved_tensors_hooks in the tests);
+  other families use the same terms with their shapes (plain 2-matrix MLPs: 2 e i; MoE: the
+  active experts' MLPs per token):
+    2 RMSNorms             2 x (4h + 4)        fp32 input + rsqrt, whatever the compute dtype
+    SDPA                   e(2q + 2kv) + 4n    q, k, v (kv heads, not repeated), output; fp32 logsumexp
+    SwiGLU MLP             3e i                gate output, SiLU output, up output
+    each LoRA linear       e(d_in + r)         its input (recast for lora_A) and the rank-r middle;
+                                               in fp32 (no recast) layers reading one input share it
+    rotary cos/sin         2 e head_dim s      per layer and sequence
+  where e is the compute dtype's size, q = heads*head_dim, kv = kv_heads*head_dim. Frozen base
+  linears save nothing: their weight needs no gradient. With (non-reentrant) checkpointing each
+  layer keeps only its input (e h per token) and one layer is recomputed at a time in backward.
+* Logits: with the chunked loss (the default), one chunk of C label tokens at a time: (8 + e) V C
+  at the peak, plus the hidden-size gradient kept from forward (e h per token). With the full
+  logits (--loss-chunk-size 0), the loss upcasts to fp32 and keeps it (4 V per token); backward adds
+  the fp32 gradient and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
+* Packing fills every row up to --max-seq-len, so a micro-batch holds micro_batch_size x max_seq_len
+  tokens: the same worst case the plan assumes without it (full-length samples).
+* Activation offload moves the checkpointed layer inputs (e h per token per layer) to host memory.
+* Loading: bases under ZeRO-3 and FSDP2 are partitioned while they load (zero.Init, or layer by
+  layer), so loading never holds more than a shard plus a layer; otherwise each process streams the
+  checkpoint shard by shard.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from lora_tune import engines
+from lora_tune.adapter import resolve_targets
+from lora_tune.engines.spec import ModelStates
+from lora_tune.loss import auto_chunk_size
+from lora_tune.planner.architecture import Architecture
+
+GIB = 2**30
+CUDA_CONTEXT = 512 * 2**20  # CUDA context + cuBLAS workspace: outside max_memory_allocated, but real
+ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "8bit": 2, "4bit": 2}  # compute dtype size
+SHARD_BYTES = 5 * 10**9  # the usual largest checkpoint shard: what a whole-model load streams at a time
+
+
+@dataclass(frozen=True)
+class Setup:
+    precision: str = "bf16"
+    rank: int = 16
+    target_modules: tuple[str, ...] | None = None  # None: the default targets (every linear layer of the blocks, experts)
+    micro_batch_size: int = 1
+    max_seq_len: int = 2048
+    gradient_checkpointing: bool = True
+    optim: str = "adamw_8bit"
+    loss_chunk_size: int | None = None  # None: lora_tune.loss.auto_chunk_size; 0: full logits
+    activation_offload: bool = False
+    backend: str = "single"
+    zero: int = 0
+    offload: str = "none"
+    gpus: int = 1
+    nodes: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.gpus * self.nodes
+
+    @property
+    def tokens(self) -> int:
+        """Per micro-batch: packing fills rows to max_seq_len, the worst case without it."""
+        return self.micro_batch_size * self.max_seq_len
+
+
+@dataclass(frozen=True)
+class Estimate:
+    trainable_parameters: int
+    per_device: dict[str, int]
+    host: dict[str, int]
+    saved_activations_bytes: int  # what autograd keeps between forward and backward
+
+
+def setup_from(cfg) -> Setup:
+    """The setup a training (or plan) configuration describes; world size from the plan's --gpus /
+    --nodes, else --nproc, else the launcher's environment."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return Setup(
+        precision=cfg.precision,
+        rank=cfg.rank,
+        target_modules=tuple(cfg.target_modules) if cfg.target_modules else None,
+        micro_batch_size=cfg.micro_batch_size,
+        max_seq_len=cfg.max_seq_len,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        optim="adamw" if cfg.optim == "adamw" else "adamw_8bit",
+        loss_chunk_size=cfg.loss_chunk_size,
+        activation_offload=cfg.activation_offload,
+        backend=engines.backend_name(cfg),
+        zero=cfg.zero,
+        offload=cfg.offload,
+        gpus=getattr(cfg, "gpus", None) or cfg.nproc or local,
+        nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // local),
+    )
+
+
+# --- model states ------------------------------------------------------------------------------------
+def quantized_weight_bytes(n_in: int, n_out: int, precision: str) -> int:
+    n = n_in * n_out
+    if precision == "8bit":
+        return n + 4 * n_out  # int8 weight + fp32 scale per output row (SCB)
+    if precision == "4bit":
+        blocks = math.ceil(n / 64)
+        # packed NF4 + uint8 absmax per 64 + fp32 absmax per 256 blocks + NF4 code (16) + nested code (256) + offset
+        return n // 2 + blocks + 4 * math.ceil(blocks / 256) + 16 * 4 + 256 * 4 + 4
+    return n * {"fp32": 4, "bf16": 2, "fp16": 2}[precision]
+
+
+def base_weight_bytes(arch: Architecture, precision: str) -> tuple[int, int]:
+    """(all weights, one layer) in bytes as loaded."""
+    dense = 4 if precision == "fp32" else 2
+    linears = sum(quantized_weight_bytes(a, b, precision) for _, a, b in arch.linears)
+    in_blocks = linears + dense * sum(math.prod(shape) for _, shape in arch.tensors)
+    return linears + dense * arch.other_params, in_blocks // arch.layers
+
+
+def lora_tensors(arch: Architecture, setup: Setup) -> list[int]:
+    """Element counts of every LoRA tensor: A (r x in) and B (out x r) per targeted linear; for a
+    fused expert tensor (E, out, in) peft's ParamWrapper stacks one rank-r pair per expert."""
+    targets = resolve_targets(arch.inventory, setup)
+    r = setup.rank
+    sizes = []
+    for name, n_in, n_out in arch.linears:
+        if name in targets.modules:
+            sizes += [r * n_in, n_out * r]
+    for path, shape in arch.tensors:
+        if path in targets.parameters:
+            experts, (n_out, n_in) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
+            sizes += [r * experts * n_in, n_out * r * experts]
+    return sizes
+
+
+def optimizer_bytes(tensors: list[int], optim: str) -> int:
+    if optim == "adamw":
+        return sum(8 * n + 4 for n in tensors)  # exp_avg + exp_avg_sq (fp32) + step
+    total = 0
+    for n in tensors:  # bitsandbytes 8-bit AdamW (paged: same bytes, may spill to host)
+        total += 8 * n if n < 4096 else 2 * n + 2 * 4 * math.ceil(n / 256) + 2 * 256 * 4
+    return total
+
+
+def model_states(arch: Architecture, setup: Setup) -> ModelStates:
+    """What one process would hold with nothing sharded."""
+    weights, layer_weights = base_weight_bytes(arch, setup.precision)
+    tensors = lora_tensors(arch, setup)
+    trainable = sum(tensors)
+    return ModelStates(
+        weights=weights,
+        layer_weights=layer_weights,
+        trainable=4 * trainable,
+        gradients=4 * trainable,
+        optimizer=optimizer_bytes(tensors, setup.optim),
+        trainable_params=trainable,
+    )
+
+
+# --- activations ----------------------------------------------------------------------------------
+def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
+    e = ELEMENT[setup.precision]
+    h, i = arch.hidden, arch.intermediate
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    norms = 2 * (4 * h + 4)
+    attention = e * (2 * q + 2 * kv) + 4 * arch.heads
+    mlp = (3 if arch.gated else 2) * e * i * (arch.active_experts if arch.experts else 1)  # MoE: each token's top-k experts
+    targets = resolve_targets(arch.inventory, setup)
+    per_layer = [(name, n_in) for name, n_in, _ in arch.linears[: len(arch.linears) // arch.layers] if name in targets.modules]
+    lora = sum(e * setup.rank for _ in per_layer)  # lora_A outputs
+    if setup.precision == "fp32":
+        # No casts: LoRA layers reading the same input (q/k/v, gate/up) share one saved tensor.
+        groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
+        seen = set()
+        for name, n_in in per_layer:
+            group = next((g for g in groups if name in g), (name,))
+            if group not in seen:
+                seen.add(group)
+                lora += e * n_in
+    else:
+        # Under autocast peft recasts the input of each LoRA layer: one copy per layer.
+        lora += sum(e * n_in for _, n_in in per_layer)
+    # Fused expert tensors: each token's input and rank-r middle, per active expert.
+    experts = [shape for path, shape in arch.tensors if path in targets.parameters and len(shape) == 3]
+    lora += sum(e * (shape[2] + setup.rank) * arch.active_experts for shape in experts) // arch.layers
+    return norms + attention + mlp + lora
+
+
+def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
+    """(saved for backward, peak during backward) for one micro-batch, logits excluded."""
+    e = ELEMENT[setup.precision]
+    rope = 2 * e * arch.head_dim * setup.max_seq_len
+    full_layer = int(layer_activation_bytes_per_token(arch, setup) * setup.tokens) + rope
+    final_norm = (4 * arch.hidden + 4) * setup.tokens
+    if not setup.gradient_checkpointing:
+        saved = arch.layers * full_layer + final_norm
+        return saved, saved
+    # Each layer keeps its input (on the host with activation offload), one is rebuilt at a time.
+    kept = 0 if setup.activation_offload else arch.layers * e * arch.hidden * setup.tokens
+    saved = kept + final_norm
+    return saved, saved + full_layer
+
+
+def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
+    """(saved between forward and backward, peak). Full logits: the loss keeps the fp32 upcast (and
+    labels); backward adds the fp32 gradient while the compute-dtype logits exist: (8 + e) V per
+    token. Chunked (lora_tune.loss): one chunk of logits at a time in the compute dtype, fp32 and the
+    fp32 softmax gradient, and the hidden-size gradient kept from forward to backward."""
+    tokens = setup.tokens
+    e = ELEMENT[setup.precision]
+    if setup.loss_chunk_size != 0:
+        chunk = min(setup.loss_chunk_size or auto_chunk_size(tokens, arch.hidden, arch.vocab), tokens)
+        kept = tokens * arch.hidden * e + tokens * 8  # gradient w.r.t. the hidden states, labels
+        return kept, kept + chunk * arch.vocab * (e + 8)
+    return tokens * (4 * arch.vocab + 8), tokens * (8 + e) * arch.vocab
+
+
+# --- the estimate ------------------------------------------------------------------------------
+def estimate(arch: Architecture, setup: Setup) -> Estimate:
+    spec = engines.BACKENDS[setup.backend]
+    if setup.zero not in spec.stages:
+        raise ValueError(f"{setup.backend} has no stage {setup.zero}; a Setup names the backend that runs it")
+    states = model_states(arch, setup)
+    placed = spec.place(states, setup.zero, setup.offload, setup.world)
+    device = placed.device
+    host = {
+        "offloaded_optimizer_bytes": placed.host_optimizer * setup.gpus,
+        "offloaded_weights_bytes": placed.host_weights * setup.gpus,
+        "offloaded_activations_bytes": (
+            setup.gpus * arch.layers * ELEMENT[setup.precision] * arch.hidden * setup.tokens
+            if setup.activation_offload and setup.gradient_checkpointing
+            else 0
+        ),
+        # Each process streams the checkpoint shard by shard (or layer by layer, which is less).
+        "loading_bytes": setup.gpus * min(SHARD_BYTES, base_weight_bytes(arch, "bf16")[0]),
+    }
+    host["total_bytes"] = sum(host.values())
+    saved_act, peak_act = activation_bytes(arch, setup)
+    saved_logits, peak_logits = logits_bytes(arch, setup)
+    # LoRA weights recast to the compute dtype by autocast, plus allocator slack.
+    overhead = CUDA_CONTEXT + ELEMENT[setup.precision] * states.trainable_params
+    per_device = {
+        "weights_bytes": device.weights,
+        "trainable_bytes": device.trainable,
+        "gradients_bytes": device.gradients,
+        "optimizer_bytes": device.optimizer,
+        "activations_bytes": peak_act,
+        "logits_bytes": peak_logits,
+        "overhead_bytes": overhead,
+    }
+    per_device["total_bytes"] = sum(per_device.values())
+    return Estimate(states.trainable_params, per_device, host, saved_act + saved_logits)

@@ -1,0 +1,77 @@
+"""What `plan` prints: the table of one estimate, the `train` command of a setup, the notes, and the
+advice printed on an out-of-memory stop."""
+
+from __future__ import annotations
+
+from lora_tune import engines
+from lora_tune.planner.architecture import Architecture, unquantized_experts
+from lora_tune.planner.memory import GIB, Estimate, Setup
+
+OOM_ADVICE = [
+    "a smaller --micro-batch-size with a larger --grad-accum (same effective batch)",
+    "--gradient-checkpointing (recompute activations in backward), then --activation-offload (keep its layer inputs in host memory)",
+    "the chunked loss: leave --loss-chunk-size at its default, or lower it (never the whole [tokens x vocab] logits)",
+    "--optim adamw_8bit (2 B instead of 8 B of optimizer state per LoRA parameter)",
+    "--precision 4bit (NF4 base: ~0.52 B per weight instead of 2)",
+    "ZeRO-3 with CPU offload across several GPUs",
+    "a shorter --max-seq-len",
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)",
+]
+
+
+def gib(x: int) -> str:
+    return f"{x / GIB:8.2f} GiB"
+
+
+def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> str:
+    backend = engines.BACKENDS[setup.backend].label(setup.zero)
+    rows = [
+        f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens, "
+        f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.optim}, {backend}, offload {setup.offload}, "
+        f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
+        f"trainable (LoRA) parameters: {est.trainable_parameters:,}",
+        "per device:",
+    ]
+    for k, v in est.per_device.items():
+        rows.append(f"  {k.removesuffix('_bytes'):<13} {gib(v)}")
+    rows.append("host:")
+    for k, v in est.host.items():
+        rows.append(f"  {k.removesuffix('_bytes'):<26} {gib(v)}")
+    margin = gpu_bytes - est.per_device["total_bytes"]
+    verdict = "fits" if margin >= 0 else "does NOT fit"
+    rows.append(f"{verdict} in {gpu_bytes / GIB:.1f} GiB per GPU ({'spare' if margin >= 0 else 'short by'} {abs(margin) / GIB:.2f} GiB)")
+    if cpu_bytes is not None and est.host["total_bytes"] > cpu_bytes:
+        rows.append(f"host memory does NOT fit: needs {est.host['total_bytes'] / GIB:.1f} GiB of {cpu_bytes / GIB:.1f} GiB")
+    return "\n".join(rows)
+
+
+def train_command(base: str, setup: Setup) -> str:
+    parts = [
+        "lora-tune train",
+        f"--base {base}",
+        f"--precision {setup.precision}",
+        f"--rank {setup.rank}",
+        f"--micro-batch-size {setup.micro_batch_size}",
+        f"--max-seq-len {setup.max_seq_len}",
+        f"--optim {setup.optim}",
+        "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing",
+    ]
+    if setup.activation_offload:
+        parts.append("--activation-offload")
+    flags = engines.BACKENDS[setup.backend].flags(setup.zero)
+    if flags:
+        parts += [" ".join(flags), f"--offload {setup.offload}"]
+    if setup.nodes > 1:  # one torchrun per node; see the README's multi-node example
+        launcher = (
+            f"torchrun --nnodes {setup.nodes} --nproc-per-node {setup.gpus} --node-rank RANK --master-addr HOST --master-port 29500 "
+            "-m lora_tune train"
+        )
+        return " ".join([launcher, *parts[1:]]) + " --data FILE --output-dir DIR"
+    if setup.gpus > 1:
+        parts.append(f"--nproc {setup.gpus}")
+    return " ".join(parts) + " --data FILE --output-dir DIR"
+
+
+def quantization_note(arch: Architecture, precision: str) -> str | None:
+    note = unquantized_experts(precision, arch.expert_params, arch.total)
+    return f"note: {note}, and the figures above count them so" if note else None

@@ -1,0 +1,27 @@
+"""A deliberately simple throughput model for ranking setups (`plan --auto`): the cost of each
+choice as a multiplier on step time, from published comparisons (QLoRA paper, LLaMA-Factory and
+DeepSpeed docs); the backends declare their own (`BackendSpec.slowdown`). Good enough to rank
+setups; not a prediction of absolute speed."""
+
+from __future__ import annotations
+
+from lora_tune import engines
+from lora_tune.planner.memory import Setup
+
+SLOWDOWN = {
+    "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 2.5, "8bit": 1.6, "4bit": 1.3},
+    "checkpointing": {False: 1.0, True: 1.33},  # one extra forward
+    "activation_offload": {False: 1.0, True: 1.1},  # a device-to-host copy per layer in forward, back in backward
+}
+
+
+def relative_speed(setup: Setup) -> float:
+    """Relative tokens/s of the whole job: more GPUs help, small micro-batches leave each underused."""
+    utilisation = min(1.0, setup.tokens / 8192) ** 0.3
+    cost = (
+        SLOWDOWN["precision"][setup.precision]
+        * SLOWDOWN["checkpointing"][setup.gradient_checkpointing]
+        * engines.BACKENDS[setup.backend].slowdown(setup.zero, setup.offload)
+        * SLOWDOWN["activation_offload"][setup.activation_offload]
+    )
+    return setup.world * utilisation / cost

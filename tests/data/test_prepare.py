@@ -1,0 +1,41 @@
+"""The prepared data: mixing by weight, the eval split, the fingerprint resume checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from lora_tune.data import prepare_data
+from lora_tune.errors import UserError
+
+from helpers import data_config, write_jsonl
+
+
+def test_eval_split_is_disjoint_and_seeded(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"sample {i}"} for i in range(20)])
+    a = prepare_data(data_config(path, eval_split=0.2), tokenizer)
+    b = prepare_data(data_config(path, eval_split=0.2), tokenizer)
+    assert len(a.eval) == 4 and len(a.train) == 16
+    assert [s.input_ids for s in a.eval] == [s.input_ids for s in b.eval]
+    assert not {tuple(s.input_ids) for s in a.eval} & {tuple(s.input_ids) for s in a.train}
+
+
+def test_fingerprint_changes_with_content(tmp_path, tokenizer):
+    p1 = write_jsonl(tmp_path / "a.jsonl", [{"text": "one"}, {"text": "two"}])
+    p2 = write_jsonl(tmp_path / "b.jsonl", [{"text": "one"}, {"text": "three"}])
+    assert prepare_data(data_config(p1), tokenizer).fingerprint == prepare_data(data_config(p1), tokenizer).fingerprint
+    assert prepare_data(data_config(p1), tokenizer).fingerprint != prepare_data(data_config(p2), tokenizer).fingerprint
+
+
+def test_sources_mix_in_their_weights_deterministically(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"alpha {i}"} for i in range(40)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"instruction": f"beta {i}", "output": "ok"} for i in range(40)])
+    mixed = prepare_data(data_config([str(a), str(b)], data_weights=[3.0, 1.0]), tokenizer)
+    alpha = sum("alpha" in tokenizer.decode(s.input_ids) for s in mixed.train)
+    assert len(mixed.train) == 80 and alpha == 60  # 3/4 of the combined size: the small share upsampled
+    assert len({tuple(s.input_ids) for s in mixed.train if "beta" in tokenizer.decode(s.input_ids)}) == 20  # drawn without repetition
+    again = prepare_data(data_config([str(a), str(b)], data_weights=[3.0, 1.0]), tokenizer)
+    assert [s.input_ids for s in again.train] == [s.input_ids for s in mixed.train]
+    assert mixed.format == "alpaca+text" and len(mixed.per_source) == 2 and "60 in the mix (weight 3.0)" in mixed.per_source[0]
+    assert prepare_data(data_config([str(a), str(b)], data_weights=[1.0, 3.0]), tokenizer).fingerprint != mixed.fingerprint
+    with pytest.raises(UserError, match="2 weights for 1 sources"):
+        prepare_data(data_config([str(a)], data_weights=[1.0, 2.0]), tokenizer)

@@ -1,0 +1,174 @@
+"""What the tests share besides fixtures: tiny datasets, the CLI drivers (in this process or a fresh
+one), the 2-process job runner, and readers of a run's outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from lora_tune.cli import main
+from lora_tune.config import TrainConfig
+from lora_tune.data import Sample
+from lora_tune.data.tokenize import Tokenize
+from lora_tune.loss import IGNORE
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository: presets, notebooks, README, benchmarks
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+ALPACA = [
+    {"instruction": f"Add {a} and {a + 1}.", "input": "" if a % 2 else "numbers", "output": f"The answer is {2 * a + 1}."}
+    for a in range(12)
+]
+CHAT = [
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": f"What is {a} plus 1?"},
+            {"role": "assistant", "content": f"It is {a + 1}."},
+        ]
+    }
+    for a in range(12)
+]
+PROMPT_COMPLETION = [{"prompt": f"Count to {a}:", "completion": " " + " ".join(str(i) for i in range(a))} for a in range(1, 13)]
+TEXT = [{"text": f"The quick brown fox number {a} jumps over the lazy dog."} for a in range(12)]
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run `lora-tune ARGS` in this process (fast: no re-import of torch per call)."""
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def run_cli_subprocess(args: list[str], timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run the installed console entry point in a fresh interpreter (signals, kills, real exit codes)."""
+    return subprocess.run([sys.executable, "-m", "lora_tune", *map(str, args)], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+# A few steps of fp32 training on the tiny model: the options of fast_train_args (flags) and of the API.
+FAST = {"precision": "fp32", "rank": 4, "lr": 5e-3, "max_steps": 4, "micro_batch_size": 2, "max_seq_len": 128, "optim": "adamw", "seed": 7}
+
+
+def fast_train_args(base: Path, data: Path, out: Path, **overrides) -> list[str]:
+    """`train` argv for a few steps of fp32 training on the tiny model; overrides use flag names without dashes."""
+    opts = {**FAST, **overrides}
+    args = ["train", "--base", base, "--data", *(data if isinstance(data, list) else [data]), "--output-dir", out]
+    for k, v in opts.items():
+        name = "--" + k.replace("_", "-")
+        if v is True:
+            args.append(name)
+        elif v is False:
+            args.append("--no-" + k.replace("_", "-"))
+        elif isinstance(v, list):
+            args += [name, *v]
+        else:
+            args += [name, v]
+    return args
+
+
+def single_error_line(err: str) -> str:
+    """The stderr of a refused command: exactly one line, starting with 'error:', no traceback."""
+    lines = [line for line in err.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 900) -> list[dict]:
+    """Run CLI jobs one after another inside one `nproc`-process job (see distributed_jobs.py)."""
+    jobs_file = folder / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs, default=str))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (folder / "master_port").write_text(str(port))  # for tests that look at what the job left behind
+    worker = Path(__file__).resolve().parent / "distributed_jobs.py"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        str(worker),
+        str(jobs_file),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "LOCAL_SIZE": str(nproc)})
+    results = Path(str(jobs_file) + ".results")
+    assert proc.returncode == 0 and results.is_file(), proc.stderr[-4000:]
+    return json.loads(results.read_text())
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(out: Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(out) if "loss" in r]
+
+
+def adapter_tensors(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "adapter_model.safetensors"))
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def start(args: list) -> subprocess.Popen:
+    """`lora-tune ARGS` in a child process, to be signalled or killed; its stderr kept."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "lora_tune", *map(str, args)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+
+
+def metrics_lines(out: Path) -> int:
+    try:
+        return len((out / "metrics.jsonl").read_text().splitlines())
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_steps(proc: subprocess.Popen, out: Path, steps: int, timeout: float = 300) -> None:
+    """Until the run has logged `steps` metrics lines (or ended, or the time is up)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None and metrics_lines(out) < steps:
+        time.sleep(0.02)
+
+
+# --- the data stage -------------------------------------------------------------------------------
+def data_config(data="x.jsonl", **kw):
+    return TrainConfig(base="tiny-llama", data=data if isinstance(data, list) else str(data), output_dir="out", **kw)
+
+
+def tokenize_one(tokenizer, fmt: str, record: dict, **options) -> tuple[Sample, int]:
+    """One record through the tokenizing map function: (sample, status)."""
+    out = Tokenize(tokenizer, fmt, data_config(**options), "d.jsonl")({k: [v] for k, v in record.items()}, [0])
+    return Sample(out["input_ids"][0], out["labels"][0]), out["status"][0]
+
+
+def trained_spans(tokenizer, sample: Sample) -> list[str]:
+    spans, current = [], []
+    for t in sample.labels + [IGNORE]:
+        if t == IGNORE:
+            if current:
+                spans.append(tokenizer.decode(current))
+            current = []
+        else:
+            current.append(t)
+    return spans

@@ -1,0 +1,233 @@
+"""The command line: flags and YAML keys are one schema, --help documents every option, and every bad
+input ends in one `error:` line naming the culprit, exit code 2, no traceback, before the model is
+loaded, with nothing written to disk."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import lora_tune.engines
+from lora_tune.cli import build_parser, config_from_args, without_flags
+from lora_tune.config import TrainConfig, flag
+from lora_tune.errors import UserError
+
+from helpers import fast_train_args, run_cli, run_cli_subprocess, single_error_line, write_jsonl
+
+
+def parse(argv):
+    return config_from_args(TrainConfig, build_parser().parse_args(argv))
+
+
+def test_flags_override_yaml(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("base: tiny-llama\ndata: d.jsonl\noutput_dir: out\nrank: 8\nlr: 0.001\ntarget_modules: [q_proj, v_proj]\n")
+    cfg = parse(["train", "--config", str(cfg_file), "--rank", "32", "--no-gradient-checkpointing"])
+    assert cfg.rank == 32 and cfg.lr == 0.001 and cfg.gradient_checkpointing is False
+    assert cfg.target_modules == ["q_proj", "v_proj"]
+    assert cfg.lora_alpha == 64  # default alpha follows the overridden rank
+
+
+def test_unknown_yaml_key_suggests_the_right_one(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("base: tiny-llama\ndata: d.jsonl\noutput_dir: out\nlearning_rat: 0.1\nmax_seq_length: 10\n")
+    with pytest.raises(UserError, match=r"unknown key 'learning_rat'"):
+        parse(["train", "--config", str(cfg_file)])
+    cfg_file.write_text("base: tiny-llama\ndata: d.jsonl\noutput_dir: out\nmax_seq_length: 10\n")
+    with pytest.raises(UserError, match=r"did you mean max_seq_len\?"):
+        parse(["train", "--config", str(cfg_file)])
+
+
+def test_help_documents_every_option_and_the_registered_backends(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    text = capsys.readouterr().out
+    for name, field in TrainConfig.model_fields.items():
+        assert flag(name) in text, name
+        assert field.description, f"{name} has no help text"
+    assert "--backend single|deepspeed|fsdp" in text and "--zero 0|1|2|3" in text
+    for name, description in lora_tune.engines.names().items():
+        assert f"{name}: {description.split()[0]}" in " ".join(text.split())
+
+
+def test_version_and_help_load_no_library_and_print_no_noise():
+    version = run_cli_subprocess(["--version"])
+    assert version.returncode == 0 and version.stdout.strip().startswith("lora-tune ") and version.stderr == ""
+    helped = run_cli_subprocess(["train", "--help"])
+    assert helped.returncode == 0 and helped.stderr == "", helped.stderr  # no bitsandbytes / transformers chatter
+
+
+def test_without_flags_drops_flags_and_their_values():
+    argv = ["train", "--nproc", "2", "--local_rank=1", "--rank", "8", "--nproc=3"]
+    assert without_flags(argv, "--nproc", "--local_rank") == ["train", "--rank", "8"]
+
+
+@dataclass
+class Case:
+    """What a bad-input case may use: the tiny model, a good data file, a scratch folder."""
+
+    model: Path
+    good: Path
+    tmp: Path
+
+    @property
+    def out(self) -> Path:
+        return self.tmp / "out"
+
+    def file(self, name: str, text: str) -> Path:
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    def folder(self, name: str) -> Path:
+        path = self.tmp / name
+        path.mkdir()
+        return path
+
+    def train(self, data=None, **options) -> list:
+        return fast_train_args(self.model, self.good if data is None else data, self.out, **options)
+
+
+# (arguments, expected fragment of the one error line): each built from a Case.
+BAD_INPUT = {
+    "missing data": (lambda c: c.train(c.tmp / "nope.jsonl", max_steps=1), "nope.jsonl does not exist"),
+    "folder without data files": (
+        lambda c: c.train(c.file("notes/readme.txt", "no data here").parent, max_steps=1),
+        "holds no .jsonl/.json/.parquet/.csv files",
+    ),
+    "unsupported extension": (lambda c: c.train(c.file("data.txt", "hello"), max_steps=1), "unsupported extension"),
+    "broken json line": (
+        lambda c: c.train(c.file("broken.jsonl", '{"text": "ok"}\n{"text": "ok"}\n{"text": oops}\n'), max_steps=1),
+        "line 3 is not valid JSON",
+    ),
+    "unknown columns": (
+        lambda c: c.train(write_jsonl(c.tmp / "qa.jsonl", [{"question": "q", "answer": "a"}]), max_steps=1),
+        "instruction + output (alpaca)",
+    ),
+    "empty dataset": (lambda c: c.train(c.file("empty.jsonl", ""), max_steps=1), "empty"),
+    "malformed messages": (
+        lambda c: c.train(
+            write_jsonl(c.tmp / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]}]),
+            max_steps=1,
+        ),
+        "role 'bot'",
+    ),
+    "messages without assistant": (
+        lambda c: c.train(write_jsonl(c.tmp / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}]), max_steps=1),
+        "no assistant message",
+    ),
+    "rank 0": (lambda c: c.train(rank=0), "--rank: must be a positive integer (got 0); typical values are 8, 16, 32, 64"),
+    "negative rank": (lambda c: c.train(rank=-4), "--rank: must be a positive integer (got -4)"),
+    "unknown precision": (lambda c: c.train(precision="int3"), "--precision: got 'int3'"),
+    "lr 0": (lambda c: c.train(lr=0), "--lr: must be > 0 (got 0"),
+    "max-seq-len 0": (lambda c: c.train(max_seq_len=0), "--max-seq-len: must be a positive integer (got 0)"),
+    "unknown alias": (lambda c: fast_train_args("llama-7b", c.good, c.out), "unknown model alias 'llama-7b'"),
+    "missing base dir": (lambda c: fast_train_args(c.tmp / "no-model", c.good, c.out), "no-model does not exist"),
+    "unknown config key": (
+        lambda c: ["train", "--config", c.file("c.yaml", "rnk: 8\n"), "--base", c.model, "--data", c.good, "--output-dir", c.out],
+        "unknown key 'rnk' in",
+    ),
+    "rank not a number": (lambda c: c.train(rank="abc"), "argument --rank: invalid int value: 'abc'"),
+    "missing output dir": (lambda c: ["train", "--base", c.model, "--data", c.good], "--output-dir is required"),
+    "eval split out of range": (lambda c: c.train(eval_split=1.5), "--eval-split: must be in [0, 1) (got 1.5)"),
+    "zero max steps": (lambda c: c.train(max_steps=0), "--max-steps: must be a positive integer (got 0); leave it out to disable"),
+    "zero micro batch": (lambda c: c.train(micro_batch_size=0), "--micro-batch-size: must be a positive integer"),
+    "negative weight decay": (lambda c: c.train(weight_decay=-1), "--weight-decay: must be >= 0 (got -1"),
+    "unknown scheduler": (lambda c: c.train(lr_scheduler="cosine_restarts"), "--lr-scheduler: got 'cosine_restarts'"),
+    "unknown optimizer": (lambda c: c.train(optim="lion"), "--optim: got 'lion'"),
+    "unknown backend": (lambda c: c.train(backend="horovod"), "--backend: got 'horovod'; choose one of single, deepspeed, fsdp"),
+    "unknown zero stage": (lambda c: c.train(zero=4), "--zero: got 4; choose one of 0, 1, 2, 3"),
+    "reporter not installed": (lambda c: c.train(report_to="wandb"), "pip install wandb"),
+    "invalid yaml": (
+        lambda c: [
+            "train",
+            "--config",
+            c.file("bad.yaml", "rank: [8\nlr: 1\n"),
+            "--base",
+            c.model,
+            "--data",
+            c.good,
+            "--output-dir",
+            c.out,
+        ],
+        "not valid YAML",
+    ),
+    "missing config file": (
+        lambda c: ["train", "--config", c.tmp / "none.yaml", "--base", c.model, "--data", c.good, "--output-dir", c.out],
+        "none.yaml does not exist",
+    ),
+    "output dir is a file": (lambda c: fast_train_args(c.model, c.good, c.file("a-file", "x")), "is a file"),
+    "hub dataset unreachable": (
+        lambda c: c.train("someone/no-such-dataset"),
+        "the dataset someone/no-such-dataset is not in the local Hugging Face cache",
+    ),
+    "base folder without config": (lambda c: fast_train_args(c.folder("not-a-model"), c.good, c.out), "has no config.json"),
+    "bad column mapping": (lambda c: c.train(data_columns="instruction"), "--data-columns: 'instruction' is not NAME=COLUMN"),
+    "mapped column missing": (lambda c: c.train(data_columns="text=body"), "has no column 'body' to map"),
+    "weights do not match sources": (lambda c: c.train(data_weights=["1", "2"]), "--data-weights: 2 weights for 1 sources"),
+    "sharegpt unknown speaker": (
+        lambda c: c.train(
+            write_jsonl(
+                c.tmp / "sg.jsonl",
+                [
+                    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+                    {"conversations": [{"from": "narrator", "value": "x"}]},
+                ],
+            ),
+            max_steps=1,
+        ),
+        "sg.jsonl: row 2: conversations[0] is from 'narrator'",
+    ),
+    "pretokenized ids out of vocabulary": (
+        lambda c: c.train(write_jsonl(c.tmp / "ids.jsonl", [{"input_ids": [1, 5, 70000]}]), max_steps=1),
+        "token id 70000 is outside the tokenizer's vocabulary",
+    ),
+    "flash attention on cpu": (
+        lambda c: c.train(attn_implementation="flash_attention_2"),
+        "--attn-implementation flash_attention_2 needs a CUDA GPU",
+    ),
+    "activation offload without checkpointing": (
+        lambda c: c.train(activation_offload=True, gradient_checkpointing=False),
+        "--activation-offload moves the inputs that gradient checkpointing keeps",
+    ),
+    "hub model not reachable": (
+        lambda c: fast_train_args("someone/no-such-model", c.good, c.out),
+        "the model someone/no-such-model is not in the local Hugging Face cache",
+    ),
+    "offload on one device": (lambda c: c.train(offload="cpu"), "--offload needs a sharding backend"),
+    "several processes on one device": (
+        lambda c: c.train(nproc=2, backend="single"),
+        "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",
+    ),
+}
+if not torch.cuda.is_available():
+    BAD_INPUT["activation offload on cpu"] = (lambda c: c.train(activation_offload=True), "--activation-offload needs a CUDA GPU")
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("no engine may start (and load the model) for bad input")
+
+    monkeypatch.setattr(lora_tune.engines, "create", refuse)
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUT))
+def test_bad_input_is_one_clear_error(name, tmp_path, tiny_model, data_files, capsys, no_model_loading):
+    if name == "reporter not installed" and importlib.util.find_spec("wandb"):
+        pytest.skip("wandb is installed here")
+    build, expected = BAD_INPUT[name]
+    argv = build(Case(tiny_model, data_files["text"], tmp_path))
+    before = sorted(tmp_path.rglob("*"))
+    try:
+        code, _, err = run_cli(argv, capsys)
+    except SystemExit as e:  # argparse-level errors exit from inside the parser
+        code, err = e.code, capsys.readouterr().err
+    assert code == 2, err
+    assert expected in single_error_line(err)
+    assert sorted(tmp_path.rglob("*")) == before, "a refused command must not write anything"

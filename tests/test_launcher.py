@@ -1,0 +1,64 @@
+"""The ways a multi-process run is started and stopped: SIGTERM reaches every rank, and the `deepspeed`
+launcher runs the same command (the `--nproc` launcher's handling of a dead rank is tested against
+a reference run in tests/engines/test_sharded_runs.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from helpers import fast_train_args, start, step_losses, wait_for_steps
+
+pytest.importorskip("deepspeed")
+
+RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
+
+
+@pytest.mark.parametrize("backend", [dict(zero=2), dict(backend="fsdp")], ids=["zero2", "fsdp"])
+def test_sigterm_stops_every_rank_at_the_same_step_with_a_checkpoint(backend, tiny_model, data_files, tmp_path):
+    out = tmp_path / "term"
+    proc = start(
+        fast_train_args(tiny_model, data_files["alpaca"], out, **{**RUN_ARGS, "max_steps": 400, "save_steps": 1000, "nproc": 2}, **backend)
+    )
+    wait_for_steps(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    steps = {int(step) for step in re.findall(r"stopped by SIGTERM after step (\d+);", err)}
+    assert len(steps) == 1, f"ranks stopped at different steps: {steps}"
+    ckpt = out / f"checkpoint-{steps.pop()}"
+    assert (ckpt / "COMPLETE").is_file() and (ckpt / "training_state_rank1.safetensors").is_file()
+
+
+def test_the_deepspeed_launcher_runs_the_same_command(tiny_model, data_files, tmp_path):
+    """`deepspeed --module lora_tune train ...` appends --local_rank=N and sets LOCAL_RANK: the
+    command runs as it does under torchrun (LOCAL_SIZE tells DeepSpeed's CPU backend: 2 ranks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ds"
+    args = fast_train_args(tiny_model, data_files["alpaca"], out, zero=2, max_steps=2, micro_batch_size=2, grad_accum=2)
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+        "--module",
+        "lora_tune",
+        *map(str, args),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "LOCAL_SIZE": "2"})
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "--local_rank=1" in proc.stdout + proc.stderr  # the launcher did pass its flag
+    assert step_losses(out) and (out / "adapter_model.safetensors").is_file()
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["world_size"] == 2
