@@ -274,3 +274,17 @@ class PlanConfig(TrainConfig):
         if v <= 0:
             raise ValueError(f"must be a positive integer (got {v})")
         return v
+
+
+class ExportConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(description="A training run's output folder (its adapter is merged into the full-precision base on the fly, streaming, as `merge` does) or a merged model folder.")
+    format: Literal["gguf", "gguf-lora", "ollama"] = Field("gguf", description="gguf: the whole model for llama.cpp / LM Studio; gguf-lora: the adapter alone as a llama.cpp LoRA adapter (a run folder); ollama: a folder with the GGUF and a Modelfile for `ollama create`.")
+    quant: Literal["f16", "bf16", "q8_0"] = Field("f16", description="ggml type of the 2-D weights (norms and biases stay f32, as llama.cpp's converter writes them). gguf-lora: f16 or bf16 only.")
+    output: str = Field(description="FILE.gguf for gguf and gguf-lora, a folder for ollama. Written under a temporary name and renamed at the end.")
+    base: Optional[str] = Field(None, description="With a run folder: the base to merge into (default: the one recorded in the adapter).")
+    verify: bool = Field(True, description="Read the file back (gguf's reader: tensors, shapes, metadata), rebuild the tokenizer from it and compare logits through transformers' GGUF loader against the merged model (models up to 100M parameters).")
+    overwrite: bool = Field(False, description="Replace an existing --output.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub while verifying.")
+    verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")
