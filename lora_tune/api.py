@@ -158,3 +158,38 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
         raise UserError(f"{folder} holds neither an adapter (adapter_config.json) nor a model (config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer
+
+
+def evaluate(config: str | Path | dict | None = None, **options) -> dict:
+    """Score a run (adapter through peft) or a merged model on lm-eval tasks (`lora-tune eval`);
+    returns what eval_results.json holds: {"adapter": {task: {metric: value}}, "base": {...} with
+    base_too, "limit", "seconds", ...}."""
+    from lora_tune import evaluation
+    from lora_tune.config import EvalConfig
+
+    cfg = _config(EvalConfig, config, options)
+    _quiet(cfg)
+    return evaluation.run(cfg)
+
+
+def export(config: str | Path | dict | None = None, **options):
+    """Export a run or a merged folder to GGUF / a llama.cpp LoRA adapter / Ollama, verified
+    (`lora-tune export`); returns the round-trip figures (`.path`, `.max_rel_logit_diff`,
+    `.greedy_agreement`, `.token_ids_equal`, `.seconds`)."""
+    from lora_tune import export as export_module
+    from lora_tune.config import ExportConfig
+
+    cfg = _config(ExportConfig, config, options)
+    _quiet(cfg)
+    return export_module.run(cfg)
+
+
+def check_serving(config: str | Path | dict | None = None, **options):
+    """Will this adapter serve on vLLM / llama.cpp / Ollama (`lora-tune check-serving`)? Returns a
+    report with the serve command; raises UserError with every rule it breaks."""
+    from lora_tune import serving
+    from lora_tune.config import CheckServingConfig
+
+    cfg = _config(CheckServingConfig, config, options)
+    _quiet(cfg)
+    return serving.run(cfg)

@@ -94,6 +94,12 @@ class TrainConfig(BaseModel):
     report_to: Literal["none", "tensorboard", "wandb"] = Field("none", json_schema_extra=FREE, description="Also send metrics to TensorBoard or Weights & Biases.")
     verbose: bool = Field(False, json_schema_extra=FREE, description="Also show the libraries' own warnings and logs (hidden by default: they are about nothing you did).")
 
+    # --- after training (issue 22) ---------------------------------------------------------------
+    serve_with: Optional[Literal["vllm", "llama.cpp", "ollama"]] = Field(None, json_schema_extra=FREE, description="Refuse, before loading, options that would make the adapter unservable by this engine (vLLM: DoRA, fused MoE expert targets, rank above 512; llama.cpp/ollama: DoRA, expert targets, families without a GGUF export). See `lora-tune check-serving`.")
+    eval_tasks: Optional[list[str]] = Field(None, json_schema_extra=FREE, description="lm-evaluation-harness tasks (registry names or local task YAMLs, see --eval-tasks-include) scored at each evaluation and logged like eval loss. Needs lora-tune[eval].")
+    eval_tasks_limit: Optional[float] = Field(None, json_schema_extra=FREE, description="With --eval-tasks: at most this many examples per task (or a fraction if < 1).")
+    eval_tasks_include: Optional[str] = Field(None, json_schema_extra=FREE, description="With --eval-tasks: a folder of lm-eval task YAMLs (with local data files) to add to the registry.")
+
     # --- validators: each message names the fix ------------------------------------------------
     @field_validator("rank")
     @classmethod
@@ -287,4 +293,54 @@ class ExportConfig(BaseModel):
     verify: bool = Field(True, description="Read the file back (gguf's reader: tensors, shapes, metadata), rebuild the tokenizer from it and compare logits through transformers' GGUF loader against the merged model (models up to 100M parameters).")
     overwrite: bool = Field(False, description="Replace an existing --output.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub while verifying.")
+    verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")
+
+
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(description="A training run's output folder (the adapter is applied through peft, no merge needed) or a merged model folder.")
+    tasks: list[str] = Field(description="lm-evaluation-harness tasks, comma-separated or repeated: registry names (offline: their datasets must be cached) or tasks defined by YAML files in --include.")
+    include: Optional[str] = Field(None, description="A folder of lm-eval task YAML files (with local data files: dataset_path json + data_files), added to the registry; works offline.")
+    limit: Optional[float] = Field(None, description="At most this many examples per task (a fraction if < 1): quick checks, not reportable scores.")
+    base_too: bool = Field(False, description="Also score the base model (the one recorded in the adapter) and show both side by side.")
+    num_fewshot: Optional[int] = Field(None, description="Few-shot examples per prompt (default: each task's own).")
+    batch_size: int = Field(1, description="Examples per forward pass.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Weights dtype while scoring: auto = bf16 on a GPU, fp32 on CPU.")
+    device: Optional[str] = Field(None, description="cuda, cuda:1, cpu (default: the GPU when there is one).")
+    output: Optional[str] = Field(None, description="Where to write the results JSON (default: SOURCE/eval_results.json).")
+    base: Optional[str] = Field(None, description="With a run folder: the base to apply the adapter to (default: the one recorded in the adapter).")
+    trust_remote_code: bool = Field(False, description="Run model code shipped with a hub repo.")
+    verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")
+
+    @field_validator("tasks", mode="before")
+    @classmethod
+    def _split_tasks(cls, v):
+        items = [v] if isinstance(v, str) else list(v or [])
+        tasks = [t.strip() for item in items for t in str(item).split(",") if t.strip()]
+        if not tasks:
+            raise ValueError("give at least one task, e.g. --tasks hellaswag,arc_easy")
+        return tasks
+
+    @field_validator("batch_size")
+    @classmethod
+    def _batch(cls, v):
+        if v <= 0:
+            raise ValueError(f"must be a positive integer (got {v})")
+        return v
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, v):
+        if v is not None and v <= 0:
+            raise ValueError(f"must be > 0 (got {v}); leave it out to score every example")
+        return v
+
+
+class CheckServingConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    source: str = Field(description="A training run's output folder (adapter_config.json + adapter_model.safetensors) or any PEFT LoRA adapter.")
+    engine: Literal["vllm", "llama.cpp", "ollama"] = Field("vllm", description="The serving engine to check the adapter against.")
+    base: Optional[str] = Field(None, description="The base the adapter will be served on (default: the one recorded in the adapter); its family decides the llama.cpp / Ollama rules.")
     verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")
