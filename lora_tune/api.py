@@ -176,12 +176,12 @@ def export(config: str | Path | dict | None = None, **options):
     """Export a run or a merged folder to GGUF / a llama.cpp LoRA adapter / Ollama, verified
     (`lora-tune export`); returns the round-trip figures (`.path`, `.max_rel_logit_diff`,
     `.greedy_agreement`, `.token_ids_equal`, `.seconds`)."""
-    from lora_tune import export as export_module
+    from lora_tune import exporting
     from lora_tune.config import ExportConfig
 
     cfg = _config(ExportConfig, config, options)
     _quiet(cfg)
-    return export_module.run(cfg)
+    return exporting.run(cfg)
 
 
 def check_serving(config: str | Path | dict | None = None, **options):

@@ -126,7 +126,7 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
-NOISY_LIBRARIES = ("transformers", "peft", "bitsandbytes", "deepspeed", "DeepSpeed", "accelerate", "datasets", "torch", "trl")
+NOISY_LIBRARIES = ("transformers", "peft", "bitsandbytes", "deepspeed", "DeepSpeed", "accelerate", "datasets", "torch", "trl", "gguf", "lm_eval", "lm-eval")
 
 
 def quiet_libraries() -> None:
@@ -228,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
 
                 evaluation.run(config_from_args(EvalConfig, args))
             elif args.command == "export":
-                from lora_tune import export
+                from lora_tune import exporting
 
-                export.run(config_from_args(ExportConfig, args))
+                exporting.run(config_from_args(ExportConfig, args))
             else:
                 from lora_tune import serving
 

@@ -23,7 +23,7 @@ VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 EMBEDDING_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
 # Families whose LoRA a llama.cpp adapter GGUF can carry: the architectures `lora-tune export`
-# writes (lora_tune.export.gguf.FAMILIES) - an adapter GGUF must match its base's tensor layout.
+# writes (lora_tune.exporting.gguf.FAMILIES) - an adapter GGUF must match its base's tensor layout.
 LLAMA_CPP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2")
 # Ollama's ADAPTER takes safetensors (PEFT) adapters for these families only; others need a GGUF
 # adapter (docs/import.md, "Importing a fine tuned adapter from Safetensors weights").

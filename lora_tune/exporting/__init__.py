@@ -128,7 +128,7 @@ def check_output(out: Path, fmt: str, overwrite: bool) -> None:
 
 def run(cfg: ExportConfig):
     """Export; returns the verification figures (`gguf.RoundTrip`) with `.path` set."""
-    from lora_tune.export import gguf as gguf_format
+    from lora_tune.exporting import gguf as gguf_format
 
     try:
         import gguf  # noqa: F401 - optional dependency, checked before anything heavy
@@ -138,7 +138,7 @@ def run(cfg: ExportConfig):
     check_output(out, cfg.format, cfg.overwrite)
     source = open_source(cfg)
     if cfg.format == "gguf-lora":
-        from lora_tune.export import gguf_lora
+        from lora_tune.exporting import gguf_lora
 
         return gguf_lora.run(cfg, source, out)
     if source.produce is None:
@@ -163,7 +163,7 @@ def run(cfg: ExportConfig):
         result = verify(gguf_path, source, family, planned, cfg) if cfg.verify else gguf_format.RoundTrip(len(planned), notes=["not verified (--no-verify)"])
         result.seconds = seconds
         if cfg.format == "ollama":
-            from lora_tune.export import ollama
+            from lora_tune.exporting import ollama
 
             ollama.write_modelfile(tmp, source.tokenizer_dir, source.config, "model.gguf")
             if cfg.verify:
@@ -198,7 +198,7 @@ def put_in_place(tmp: Path, out: Path) -> None:
 def verify(path: Path, source: Source, family, planned, cfg: ExportConfig):
     """Read back (tensors, shapes, metadata), tokenizer ids, and - up to 100M parameters - logits of
     transformers' GGUF loader vs the merged model on fixed prompts."""
-    from lora_tune.export import gguf as gguf_format
+    from lora_tune.exporting import gguf as gguf_format
 
     gguf_format.check_file(path, planned, source.config, family)
     result = gguf_format.RoundTrip(len(planned))
