@@ -155,7 +155,7 @@ def table(record: dict) -> str:
     lines = [header]
     for task, row in tuned.items():
         for metric, value in row.items():
-            if metric.endswith("_stderr"):
+            if metric.endswith("_stderr") or metric == "sample_len":
                 continue
 
             def cell(scores):

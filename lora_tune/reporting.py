@@ -52,7 +52,7 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], png: Path) -> None:
+def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
     try:
         import matplotlib
 
@@ -63,7 +63,11 @@ def plot(rows: list[dict], png: Path) -> None:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
     x = [r["step"] for r in steps]
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig, axes = plt.subplots(2, 3 if eval_results else 2, figsize=(16 if eval_results else 11, 7), squeeze=False)
+    if eval_results:
+        plot_eval_results(axes[0][2], eval_results)
+        axes[1][2].axis("off")
+        axes = [row[:2] for row in axes]
     ax = axes[0][0]
     ax.plot(x, [number(r["loss"]) for r in steps], label="train loss")
     if evals:
@@ -74,7 +78,7 @@ def plot(rows: list[dict], png: Path) -> None:
                                   (axes[1][1], "peak_memory_bytes", "peak memory (GiB)", 2**30)):
         ax.plot(x, [number(r.get(key)) / scale for r in steps])
         ax.set_title(title)
-    for ax in axes.flat:
+    for ax in (ax for row in axes for ax in row):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -82,11 +86,42 @@ def plot(rows: list[dict], png: Path) -> None:
     plt.close(fig)
 
 
+def plot_eval_results(ax, record: dict) -> None:
+    """lm-eval scores from `lora-tune eval` (eval_results.json): base and adapter bars per task metric."""
+    tuned = record.get("adapter") or record.get("model") or {}
+    base = record.get("base") or {}
+    labels, tuned_values, base_values = [], [], []
+    for task, row in tuned.items():
+        for metric, value in row.items():
+            if metric.endswith("_stderr") or metric == "sample_len":
+                continue
+            labels.append(f"{task}\n{metric}")
+            tuned_values.append(value)
+            base_values.append(base.get(task, {}).get(metric, math.nan))
+    x = range(len(labels))
+    width = 0.4 if base else 0.8
+    if base:
+        ax.bar([i - width / 2 for i in x], base_values, width, label="base")
+    ax.bar([i + (width / 2 if base else 0) for i in x], tuned_values, width, label="adapter" if "adapter" in record else "model")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_title("lm-eval" + (f" (limit {record['limit']:g})" if record.get("limit") else ""))
+    ax.legend()
+
+
 def run(cfg) -> Path:
     run_dir = Path(cfg.run_dir).expanduser()
     rows = read_metrics(run_dir)
     png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
-    plot(rows, png)
+    eval_results = None
+    if (run_dir / "eval_results.json").is_file():
+        from lora_tune.evaluation import read_results
+
+        eval_results = read_results(run_dir)
+    plot(rows, png, eval_results)
     print(summary(rows))
+    if eval_results:
+        from lora_tune.evaluation import table
+
+        print(table(eval_results))
     print(f"plot: {png}")
     return png
