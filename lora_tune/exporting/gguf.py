@@ -434,13 +434,14 @@ def check_tokenizer(path: Path, tokenizer_dir: Path) -> bool:
 # meaningful where it is (on random ids, near-ties flip under any rounding).
 VERIFY_TEXTS = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request. "
-    "### Instruction: Name a primary colour. ### Response: Red, blue and yellow are primary colours.",
+    "### Instruction: Name a primary colour. ### Response: Red, blue and yellow are primary colours. "
+    "### Instruction: List three fruits. ### Response: Apple, banana and cherry.",
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. What is the capital of France? "
-    "The capital of France is Paris.",
+    "The capital of France is Paris. Translate to French: good morning. Bonjour. Add two numbers: 2 and 3. The answer is 5.",
     "### User: Translate to French: good morning. ### Assistant: Bonjour. ### User: Add two numbers: 2 and 3. "
-    "### Assistant: The answer is 5.",
+    "### Assistant: The answer is 5. ### User: What is the capital of France? ### Assistant: The capital of France is Paris.",
     "List three fruits. Apple, banana and cherry. 0 1 2 3 4 5 6 7 8 9 ten eleven twelve hundred thousand. "
-    "hello world question answer summary story poem code python",
+    "hello world question answer summary story poem code python. Name a primary colour. Red, blue and yellow are primary colours.",
 )
 
 
