@@ -86,7 +86,7 @@ def vllm_problems(facts: AdapterFacts) -> list[str]:
     # vLLM PR #41384: adapters on fused MoE expert tensors (peft target_parameters) were loaded as a
     # silent no-op - the served model behaves like the base.
     if facts.target_parameters:
-        problems.append(f"vLLM ignores LoRA on fused expert tensors ({', '.join(facts.target_parameters)}) without an error (vLLM PR #41384): "
+        problems.append(f"vLLM loads LoRA on fused expert tensors ({', '.join(facts.target_parameters)}) as a silent no-op (vLLM PR #41384): "
                         f"the served model would be the base; {_merge_then_serve(facts)}")
     # PEFTHelper.from_dict keeps only the fields it declares (r, lora_alpha, target_modules, ...):
     # rank_pattern / alpha_pattern are dropped, so those modules get the global alpha / r scale.
