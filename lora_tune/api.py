@@ -5,7 +5,6 @@ named as the YAML keys (`max_seq_len=1024`), options winning over the file. Vali
 are the CLI's: bad input raises `lora_tune.UserError` with the same one-line message (`str(e)`), and
 nothing calls `sys.exit`.
 
-    import lora_tune
     plan = lora_tune.plan(base="llama-8b", precision="4bit", gpu_memory="t4")
     result = lora_tune.train(base="tiny-llama", data="examples/data/alpaca_demo.jsonl", output_dir="runs/demo", max_steps=30)
     model, tokenizer = lora_tune.load(result.adapter_dir)
@@ -29,9 +28,19 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from lora_tune import distributed, engines, launcher, merger, planner, recipe, reporting  # noqa: E402
+from lora_tune import distributed, engines, evaluation, exporting, launcher, merger, planner, recipe, reporting, serving  # noqa: E402
 from lora_tune.aliases import resolve_base  # noqa: E402
-from lora_tune.config import MergeConfig, PlanConfig, ReportConfig, TrainConfig, build_config, read_yaml  # noqa: E402
+from lora_tune.config import (  # noqa: E402
+    CheckServingConfig,
+    EvalConfig,
+    ExportConfig,
+    MergeConfig,
+    PlanConfig,
+    ReportConfig,
+    TrainConfig,
+    build_config,
+    read_yaml,
+)
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
 from lora_tune.model_loading import WEIGHT_DTYPE  # noqa: E402
 
@@ -145,3 +154,29 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
         raise UserError(f"{folder} holds neither an adapter (adapter_config.json) nor a model (config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer
+
+
+def evaluate(config: str | Path | dict | None = None, **options) -> dict:
+    """Score a run (adapter through peft) or a merged model on lm-eval tasks (`lora-tune eval`);
+    returns what eval_results.json holds: {"adapter": {task: {metric: value}}, "base": {...} with
+    base_too, "limit", "seconds", ...}."""
+    cfg = _config(EvalConfig, config, options)
+    _quiet(cfg)
+    return evaluation.run(cfg)
+
+
+def export(config: str | Path | dict | None = None, **options):
+    """Export a run or a merged folder to GGUF / a llama.cpp LoRA adapter / Ollama, verified
+    (`lora-tune export`); returns the round-trip figures (`.path`, `.max_rel_logit_diff`,
+    `.greedy_agreement`, `.token_ids_equal`, `.seconds`)."""
+    cfg = _config(ExportConfig, config, options)
+    _quiet(cfg)
+    return exporting.run(cfg)
+
+
+def check_serving(config: str | Path | dict | None = None, **options):
+    """Will this adapter serve on vLLM / llama.cpp / Ollama (`lora-tune check-serving`)? Returns a
+    report with the serve command; raises UserError with every rule it breaks."""
+    cfg = _config(CheckServingConfig, config, options)
+    _quiet(cfg)
+    return serving.run(cfg)

@@ -14,7 +14,18 @@ import warnings
 from typing import Any
 
 from lora_tune import __version__
-from lora_tune.config import MergeConfig, PlanConfig, ReportConfig, TrainConfig, build_config, flag, read_yaml
+from lora_tune.config import (
+    CheckServingConfig,
+    EvalConfig,
+    ExportConfig,
+    MergeConfig,
+    PlanConfig,
+    ReportConfig,
+    TrainConfig,
+    build_config,
+    flag,
+    read_yaml,
+)
 from lora_tune.errors import TrainingStopped, UserError, first_line
 
 
@@ -125,6 +136,37 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help=ReportConfig.model_fields["run_dir"].description)
     report.add_argument("--output", default=argparse.SUPPRESS, help=ReportConfig.model_fields["output"].description)
+
+    after_training = (
+        (
+            "eval",
+            EvalConfig,
+            "score a run or merged model on lm-eval tasks",
+            "Score a run (adapter through peft) or a merged model on lm-evaluation-harness tasks; --base-too puts the base "
+            "beside it. Results go to SOURCE/eval_results.json.",
+        ),
+        (
+            "export",
+            ExportConfig,
+            "export to GGUF (llama.cpp), a llama.cpp LoRA adapter, or Ollama",
+            "Write a run (merged on the fly, streaming) or a merged folder as GGUF, a llama.cpp LoRA adapter GGUF, or an "
+            "Ollama folder (GGUF + Modelfile); read back and verified before it is put in place.",
+        ),
+        (
+            "check-serving",
+            CheckServingConfig,
+            "will vLLM / llama.cpp / Ollama serve this adapter",
+            "Check an adapter against a serving engine's rules (each with its source) and print how to serve it; refused "
+            "adapters get one line with the alternative.",
+        ),
+    )
+    for name, schema, short, long in after_training:
+        command = sub.add_parser(name, help=short, description=long)
+        command.add_argument(
+            "source_arg", nargs="?", metavar="SOURCE", default=argparse.SUPPRESS, help=schema.model_fields["source"].description
+        )
+        command.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
+        add_schema_flags(command, schema)
     return parser
 
 
@@ -159,7 +201,21 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
-NOISY_LIBRARIES = ("transformers", "peft", "bitsandbytes", "kernels", "deepspeed", "DeepSpeed", "accelerate", "datasets", "torch", "trl")
+NOISY_LIBRARIES = (
+    "transformers",
+    "peft",
+    "bitsandbytes",
+    "kernels",
+    "deepspeed",
+    "DeepSpeed",
+    "accelerate",
+    "datasets",
+    "torch",
+    "trl",
+    "gguf",
+    "lm_eval",
+    "lm-eval",
+)
 
 
 def quiet_libraries(quiet: bool = True) -> None:
@@ -250,6 +306,22 @@ def main(argv: list[str] | None = None) -> int:
             from lora_tune import merger  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
             merger.run(config_from_args(MergeConfig, args))
+            return 0
+        if args.command in ("eval", "export", "check-serving"):
+            if hasattr(args, "source_arg"):  # SOURCE given positionally (the --source flag says the same)
+                args.source = args.__dict__.pop("source_arg")
+            if args.command == "eval":
+                from lora_tune import evaluation  # noqa: PLC0415 - start-up time: each command loads only its own modules
+
+                evaluation.run(config_from_args(EvalConfig, args))
+            elif args.command == "export":
+                from lora_tune import exporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
+
+                exporting.run(config_from_args(ExportConfig, args))
+            else:
+                from lora_tune import serving  # noqa: PLC0415 - start-up time: each command loads only its own modules
+
+                serving.run(config_from_args(CheckServingConfig, args))
             return 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -18,7 +18,7 @@ import torch
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
-from lora_tune import engines, planner
+from lora_tune import engines, evaluation, planner, serving
 from lora_tune.adapter import Targets, meta_model, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
@@ -179,6 +179,20 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     return SpeedLevers(packing, chunk, attention)
 
 
+def check_eval_tasks(cfg: TrainConfig) -> None:
+    """--eval-tasks scores the model in this process with lm-eval: the task names are checked now,
+    and a model sharded over several processes is scored after training instead (`lora-tune eval`)."""
+    if not cfg.eval_tasks:
+        return
+    if engines.spec_of(cfg).multi_process:
+        raise UserError(
+            f"--eval-tasks scores the model in one process; with --backend {engines.backend_name(cfg)} leave it out and run "
+            "`lora-tune eval OUTPUT_DIR --tasks ...` after training"
+        )
+    evaluation.require_lm_eval()
+    evaluation.check_tasks(evaluation.task_manager(cfg.eval_tasks_include), cfg.eval_tasks)
+
+
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -219,6 +233,8 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, config.model_type)
     targets = lora_targets(cfg, config)
+    serving.check_config(cfg, targets, config.model_type)
+    check_eval_tasks(cfg)
     levers = speed_levers(cfg, config, device)
     eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message) if cfg.eval_prompts else []
     data = prepare_data(cfg, tokenizer)

@@ -15,6 +15,7 @@ import torch
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
+from lora_tune import evaluation
 from lora_tune.adapter import save_adapter
 from lora_tune.batching import collate, pack_best_fit_decreasing
 from lora_tune.engines import Engine
@@ -164,7 +165,7 @@ class TrainingLoop:
 
     # --- evaluation -----------------------------------------------------------------------------------
     def _has_eval(self) -> bool:
-        return bool(self.inputs.data.eval or self.inputs.eval_prompts)
+        return bool(self.inputs.data.eval or self.inputs.eval_prompts or self.cfg.eval_tasks)
 
     def evaluate(self) -> None:
         """Eval loss (when there is eval data) and sample generations (when there are prompts);
@@ -178,6 +179,15 @@ class TrainingLoop:
             if self.metrics:
                 self.metrics.write(result)
             lines.append(f"eval at step {result['step']}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+        if self.cfg.eval_tasks:
+            cfg = self.cfg
+            peft_model, tokenizer = self.model.peft_model, self.inputs.tokenizer
+            scores = evaluation.run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include)
+            record = {"step": self.state.step, **evaluation.flat_metrics(scores)}
+            if self.metrics:
+                self.metrics.write(record)
+            shown = ", ".join(f"{key.removeprefix('eval_tasks/')} {value:.4f}" for key, value in record.items() if key != "step")
+            lines.append(f"eval tasks at step {self.state.step}: {shown}")
         if self.inputs.eval_prompts:
             tokenizer = self.inputs.tokenizer
             completions = self.engine.generate(self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)

@@ -403,9 +403,7 @@ def run(cfg: MergeConfig) -> Path:
         raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
     base = base_folder(base_ref)
     dtype = OUT_DTYPE[cfg.dtype]
-    base_files = shards.shard_files(base)
-    if base_files is None:
-        raise UserError(f"--base: {base} has neither model.safetensors nor model.safetensors.index.json")
+    base_files = shards.weight_files(base)
     if config.get("target_parameters"):
         n_params = sum(math.prod(t.shape) for group in plan_output(base_files, dtype, max_bytes) for t in group)
         log.warning(

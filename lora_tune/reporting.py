@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from lora_tune.errors import UserError
+from lora_tune.evaluation import read_results, table
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -97,20 +98,51 @@ def draw(axes: dict, rows: list[dict]) -> None:
         ax.grid(alpha=0.3)
 
 
-def plot(rows: list[dict], png: Path) -> None:
+def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
+    """The four panels of the metrics, and a fifth of lm-eval scores when the run was evaluated."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    draw(dict(zip(PANELS, axes.flat)), rows)
+    fig, axes = plt.subplots(2, 3 if eval_results else 2, figsize=(16 if eval_results else 11, 7), squeeze=False)
+    draw(dict(zip(PANELS, [ax for row in axes for ax in row[:2]])), rows)
+    if eval_results:
+        plot_eval_results(axes[0][2], eval_results)
+        axes[1][2].axis("off")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+def plot_eval_results(ax, record: dict) -> None:
+    """lm-eval scores from `lora-tune eval` (eval_results.json): base and adapter bars per task metric."""
+    tuned = record.get("adapter") or record.get("model") or {}
+    base = record.get("base") or {}
+    labels, tuned_values, base_values = [], [], []
+    for task, row in tuned.items():
+        for metric, value in row.items():
+            if metric.endswith("_stderr") or metric == "sample_len":
+                continue
+            labels.append(f"{task}\n{metric}")
+            tuned_values.append(value)
+            base_values.append(base.get(task, {}).get(metric, math.nan))
+    x = range(len(labels))
+    width = 0.4 if base else 0.8
+    if base:
+        ax.bar([i - width / 2 for i in x], base_values, width, label="base")
+    ax.bar([i + (width / 2 if base else 0) for i in x], tuned_values, width, label="adapter" if "adapter" in record else "model")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_title("lm-eval" + (f" (limit {record['limit']:g})" if record.get("limit") else ""))
+    ax.legend()
 
 
 def run(cfg) -> Path:
     run_dir = Path(cfg.run_dir).expanduser()
     rows = read_metrics(run_dir)
     png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
-    plot(rows, png)
+    eval_results = None
+    if (run_dir / "eval_results.json").is_file():
+        eval_results = read_results(run_dir)
+    plot(rows, png, eval_results)
     print(summary(rows))
+    if eval_results:
+        print(table(eval_results))
     print(f"plot: {png}")
     return png

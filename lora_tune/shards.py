@@ -57,6 +57,14 @@ def shard_files(folder: Path) -> list[Path] | None:
     return None
 
 
+def weight_files(folder: Path) -> list[Path]:
+    """shard_files, refusing a folder without safetensors weights in one line."""
+    files = shard_files(folder)
+    if files is None:
+        raise UserError(f"--base: {folder} has neither {SINGLE} nor {INDEX}; convert the model to safetensors first")
+    return files
+
+
 def read_header(path: Path) -> dict[str, Entry]:
     """Every tensor of one shard, from its header; refuses a file that is truncated, empty or not
     safetensors, naming it."""
@@ -90,11 +98,8 @@ def read_header(path: Path) -> dict[str, Entry]:
 
 def read_headers(folder: Path) -> dict[str, Entry]:
     """Every tensor of a model folder (all shards), validated; refuses a folder without safetensors."""
-    files = shard_files(folder)
-    if files is None:
-        raise UserError(f"--base: {folder} has neither {SINGLE} nor {INDEX}; convert the model to safetensors first")
     entries: dict[str, Entry] = {}
-    for path in files:
+    for path in weight_files(folder):
         if not path.is_file():
             raise UserError(f"--base: {path} is listed in {INDEX} but missing; re-download the model")
         entries.update(read_header(path))

@@ -200,6 +200,7 @@ BAD_INPUT = {
         "the model someone/no-such-model is not in the local Hugging Face cache",
     ),
     "offload on one device": (lambda c: c.train(offload="cpu"), "--offload needs a sharding backend"),
+    "an adapter vLLM can't serve": (lambda c: c.train(dora=True, serve_with="vllm"), "--serve-with vllm: "),
     "several processes on one device": (
         lambda c: c.train(nproc=2, backend="single"),
         "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",

@@ -52,6 +52,8 @@ def test_quickstart(tmp_path, monkeypatch):
     assert "before:" in text and "after:" in text and "merged:" in text
     assert images(nb) >= 1 and (tmp_path / "curves.png").is_file()  # the live plot
     assert (tmp_path / "merged" / "model.safetensors").is_file()
+    assert "eval: base" in text and "gguf: model.gguf" in text and "tokenizer ids equal: True" in text  # eval + export (issue 22)
+    assert (tmp_path / "model.gguf").is_file() and (tmp_path / "run" / "eval_results.json").is_file()
 
 
 def test_plan_70b(tmp_path, monkeypatch):

@@ -1,0 +1,218 @@
+"""`lora-tune eval`: benchmark scores of a fine-tune through lm-evaluation-harness, base and adapter
+side by side ("did my fine-tune make the model worse at everything else?").
+
+The adapter is applied through peft by lm-eval itself (`HFLM(pretrained=BASE, peft=ADAPTER)`), so no
+merge is needed; a merged folder is scored as a plain model. Tasks come from lm-eval's registry or
+from task YAMLs in --include (with local data files this works offline). Results go to
+SOURCE/eval_results.json, which `lora-tune report` plots beside the training curves.
+
+lm_eval is an optional extra (`pip install "lora-tune[eval]"`): imported inside the functions, so the
+rest of lora-tune neither needs it nor pays its start-up time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from lora_tune.aliases import resolve_base
+from lora_tune.errors import UserError, did_you_mean
+
+log = logging.getLogger("lora_tune")
+RESULTS_FILE = "eval_results.json"
+
+
+def require_lm_eval():
+    try:
+        import lm_eval  # noqa: F401, PLC0415 - optional dependency (the [eval] extra)
+    except ImportError:
+        raise UserError('eval: lm-evaluation-harness is missing; pip install "lora-tune[eval]" (or pip install lm-eval)') from None
+
+
+def task_manager(include: str | None):
+    """lm-eval's registry, plus the task YAMLs under `include`."""
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    if include is not None and not Path(include).expanduser().is_dir():
+        raise UserError(f"--include: {include} is not a folder; give the folder holding your task YAML files")
+    return TaskManager(include_path=str(Path(include).expanduser()) if include else None)
+
+
+def check_tasks(manager, tasks: list[str]) -> None:
+    """Every task known before any model is loaded; an unknown one is one line with a suggestion."""
+    known = set(manager.all_tasks)
+    for task in tasks:
+        if task not in known and not manager.match_tasks([task]):
+            raise UserError(
+                f"--tasks: {task} is not an lm-eval task{did_you_mean(task, known)}; "
+                "see `lm-eval ls tasks`, or define it in a YAML file under --include"
+            )
+
+
+def metrics_of(results: dict) -> dict[str, dict[str, float]]:
+    """lm-eval's {"results": {task: {"acc,none": v, "acc_stderr,none": e, "alias": ...}}} ->
+    {task: {"acc": v, "acc_stderr": e}} (numbers only, filter suffix dropped when it is "none")."""
+    out = {}
+    for task, values in results.get("results", {}).items():
+        row = {}
+        for key, value in values.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            metric, _, filt = key.partition(",")
+            row[metric if filt in ("", "none") else f"{metric},{filt}"] = float(value)
+        out[task] = row
+    return out
+
+
+def run_tasks(
+    model,
+    tokenizer,
+    tasks: list[str],
+    limit: float | None = None,
+    include: str | None = None,
+    num_fewshot: int | None = None,
+    batch_size: int = 1,
+    manager=None,
+) -> dict[str, dict[str, float]]:
+    """Score an in-memory model (a PeftModel too) on lm-eval tasks: {task: {metric: value}}.
+
+    The training-time hook for --eval-tasks calls this at each evaluation with the model being
+    trained (in eval mode, under no_grad: lm-eval only runs forward passes)."""
+    require_lm_eval()
+    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
+    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    manager = manager or task_manager(include)
+    check_tasks(manager, tasks)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+    results = simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        task_manager=manager,
+        log_samples=False,
+        bootstrap_iters=0,
+        verbosity="ERROR",
+    )
+    return metrics_of(results or {})
+
+
+def flat_metrics(scores: dict[str, dict[str, float]], prefix: str = "eval_tasks") -> dict[str, float]:
+    """{task: {metric: v}} -> {"eval_tasks/task/metric": v}: one metrics.jsonl record's keys, logged like eval loss."""
+    return {f"{prefix}/{task}/{metric}": v for task, row in scores.items() for metric, v in row.items() if not metric.endswith("_stderr")}
+
+
+def _score_path(pretrained: str, peft_dir: str | None, cfg, manager) -> dict[str, dict[str, float]]:
+    """lm-eval loads the model itself (with the adapter through peft when given)."""
+    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
+    from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"auto": "bfloat16" if device.startswith("cuda") else "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[
+        cfg.dtype
+    ]
+    lm = HFLM(
+        pretrained=pretrained, peft=peft_dir, device=device, dtype=dtype, batch_size=cfg.batch_size, trust_remote_code=cfg.trust_remote_code
+    )
+    results = simple_evaluate(
+        model=lm,
+        tasks=cfg.tasks,
+        limit=cfg.limit,
+        num_fewshot=cfg.num_fewshot,
+        task_manager=manager,
+        log_samples=False,
+        bootstrap_iters=0,
+        verbosity="ERROR",
+    )
+    return metrics_of(results or {})
+
+
+def run(cfg) -> dict:
+    """`lora-tune eval SOURCE --tasks T1,T2 [--limit N] [--base-too]`: writes eval_results.json and
+    prints base vs adapter side by side; returns what it wrote."""
+    require_lm_eval()
+    source = Path(cfg.source).expanduser()
+    if not source.is_dir():
+        raise UserError(f"{cfg.source} does not exist; give a training run's --output-dir or a merged model folder")
+    adapter_config = source / "adapter_config.json"
+    if adapter_config.is_file():
+        base = cfg.base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        if not base:
+            raise UserError(f"--base: {adapter_config} records no base; pass --base")
+        base_path, peft_dir = resolve_base(base), str(source)
+    elif (source / "config.json").is_file():
+        if cfg.base_too and not cfg.base:
+            raise UserError("--base-too: a merged folder does not record its base; pass --base too")
+        base_path, peft_dir = (resolve_base(cfg.base) if cfg.base else None), None
+    else:
+        raise UserError(f"{source} holds neither an adapter (adapter_config.json) nor a model (config.json)")
+    output = Path(cfg.output).expanduser() if cfg.output else source / RESULTS_FILE
+    manager = task_manager(cfg.include)
+    check_tasks(manager, cfg.tasks)
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    record: dict = {"source": str(source), "tasks": cfg.tasks, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}}
+    t0 = time.perf_counter()
+    record["adapter" if peft_dir else "model"] = _score_path(base_path if peft_dir else str(source), peft_dir, cfg, manager)
+    record["seconds"]["adapter" if peft_dir else "model"] = round(time.perf_counter() - t0, 2)
+    if cfg.base_too:
+        t0 = time.perf_counter()
+        record["base"] = _score_path(base_path, None, cfg, manager)
+        record["seconds"]["base"] = round(time.perf_counter() - t0, 2)
+        record["base_model"] = base_path
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, output)  # never a half-written results file
+    print(table(record))
+    print(f"results: {output}")
+    return record
+
+
+def _cell(scores: dict, task: str, metric: str) -> str:
+    """One score with its standard error, as the side-by-side table shows it."""
+    v = scores.get(task, {}).get(metric)
+    err = scores.get(task, {}).get(f"{metric}_stderr")
+    if v is None:
+        return f"{'-':>16}"
+    return f"{v:>9.4f}" + (f" ({err:.3f})" if err is not None and not math.isnan(err) else " " * 8)
+
+
+def table(record: dict) -> str:
+    """Base vs adapter side by side (stderr in brackets when lm-eval computed it)."""
+    tuned_key = "adapter" if "adapter" in record else "model"
+    tuned, base = record[tuned_key], record.get("base")
+    header = f"{'task':<24} {'metric':<14} " + (f"{'base':>16} " if base else "") + f"{tuned_key:>16}" + ("  delta" if base else "")
+    lines = [header]
+    for task, row in tuned.items():
+        for metric, value in row.items():
+            if metric.endswith("_stderr") or metric == "sample_len":
+                continue
+
+            line = f"{task:<24} {metric:<14} " + (_cell(base, task, metric) + " " if base else "") + _cell(tuned, task, metric)
+            if base and base.get(task, {}).get(metric) is not None:
+                line += f"  {value - base[task][metric]:+.4f}"
+            lines.append(line)
+    seconds = record.get("seconds", {})
+    lines.append(
+        "wall time: "
+        + ", ".join(f"{k} {v:.1f}s" for k, v in seconds.items())
+        + (f" (limit {record['limit']:g} per task)" if record.get("limit") else "")
+    )
+    return "\n".join(lines)
+
+
+def read_results(run_dir: Path) -> dict | None:
+    path = run_dir / RESULTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None

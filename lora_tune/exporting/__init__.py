@@ -1,0 +1,135 @@
+"""`lora-tune export`: a run or a merged folder as a GGUF file (llama.cpp, LM Studio), a llama.cpp LoRA
+adapter, or an Ollama folder (GGUF + Modelfile); read back and verified before it is put in place.
+
+The source is read as `merge` reads it: from a run, each tensor of the full-precision base is merged
+with the adapter in fp32 (lora_tune.merger's TensorMerger) and handed to the writer one at a time;
+from a merged folder, tensors are read shard by shard. Either way nothing holds the whole model.
+
+Everything goes into a hidden temporary folder next to --output; the file is verified there and only
+then renamed into place, so a crash or a failed check leaves nothing that looks complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from lora_tune.config import ExportConfig
+from lora_tune.errors import UserError
+from lora_tune.exporting import gguf as gguf_format
+from lora_tune.exporting import gguf_lora, ollama
+from lora_tune.exporting.files import Source, check_output, open_source, put_in_place
+
+log = logging.getLogger("lora_tune")
+
+
+def run(cfg: ExportConfig):
+    """Export; returns the verification figures (`gguf.RoundTrip`) with `.path` set."""
+    try:
+        import gguf  # noqa: F401, PLC0415 - optional dependency (the [export] extra)
+    except ImportError:
+        raise UserError('export: the gguf package is missing; pip install "lora-tune[export]" (or pip install gguf)') from None
+    out = Path(cfg.output).expanduser()
+    check_output(out, cfg.format, cfg.overwrite)
+    source = open_source(cfg)
+    if cfg.format == "gguf-lora":
+        return gguf_lora.run(cfg, source, out)
+    if source.produce is None:
+        raise UserError(
+            f"--format {cfg.format}: the adapter adapts fused tensors ({', '.join(source.adapter_config['target_parameters'])}); "
+            "merge first (`lora-tune merge`), then serve the merged folder with vLLM or transformers"
+        )
+    family = gguf_format.family_of(source.config)
+    planned = gguf_format.plan_tensors(source.config, family, [(t.name, t.shape) for t in source.tensors], cfg.quant)
+    name = f"{source.config.get('model_type', 'model')}-{source.folder.name}"
+    if family.general_name_hint and family.general_name_hint not in name.lower():
+        name = f"{family.general_name_hint}-{name}"
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        gguf_path = tmp / "model.gguf"
+        by_name = source.by_name
+        t0 = time.perf_counter()
+        gguf_format.write(
+            gguf_path,
+            source.config,
+            family,
+            planned,
+            lambda t: source.produce(by_name[t.hf_name]).float(),
+            source.tokenizer_dir,
+            cfg.quant,
+            name,
+        )
+        source.close()
+        seconds = time.perf_counter() - t0
+        log.info("wrote %s: %d tensors, %.2f GB (%s) in %.1fs", out.name, len(planned), gguf_path.stat().st_size / 1e9, cfg.quant, seconds)
+        result = (
+            verify(gguf_path, source, family, planned, cfg)
+            if cfg.verify
+            else gguf_format.RoundTrip(len(planned), notes=["not verified (--no-verify)"])
+        )
+        result.seconds = seconds
+        if cfg.format == "ollama":
+            ollama.write_modelfile(tmp, source.tokenizer_dir, source.config, "model.gguf")
+            if cfg.verify:
+                ollama.check_modelfile(tmp / "Modelfile", source.tokenizer_dir)
+            put_in_place(tmp, out)
+            result.path = out
+        else:
+            put_in_place(gguf_path, out)
+            shutil.rmtree(tmp, ignore_errors=True)
+            result.path = out
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(
+            f"--output: could not write {out} ({e.strerror or e}); nothing was left behind. Free space or choose another --output",
+            exit_code=1,
+        ) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s to %s", cfg.format, out)
+    return result
+
+
+def verify(path: Path, source: Source, family, planned, cfg: ExportConfig):
+    """Read back (tensors, shapes, metadata), tokenizer ids, and - up to 100M parameters - logits of
+    transformers' GGUF loader vs the merged model on fixed prompts."""
+    gguf_format.check_file(path, planned, source.config, family)
+    result = gguf_format.RoundTrip(len(planned))
+    result.token_ids_equal = gguf_format.check_tokenizer(path, source.tokenizer_dir)
+    if not result.token_ids_equal:
+        raise UserError(
+            "verification failed: the tokenizer rebuilt from the GGUF encodes the fixed text to other ids (or other BOS/EOS/chat template) "
+            "than the original; nothing was kept",
+            exit_code=1,
+        )
+    if source.n_params > gguf_format.FULL_CHECK_MAX_PARAMS:
+        result.notes.append(
+            f"logits not compared: {source.n_params / 1e9:.1f}B parameters (the check holds two models in RAM up to "
+            f"{gguf_format.FULL_CHECK_MAX_PARAMS / 1e6:.0f}M)"
+        )
+        log.info("verify: %s", result.notes[-1])
+        return result
+    ids = gguf_format.fixed_prompts(source.tokenizer_dir, source.config["vocab_size"])
+    want = source.reference(ids)
+    config, filled = gguf_format.reading_config(path, source.config)
+    if filled:
+        result.notes.append(
+            f"transformers' GGUF reader has no key for {', '.join(filled)} on this architecture: taken from the source for the logits check"
+        )
+        log.info("verify: %s", result.notes[-1])
+    got = gguf_format.gguf_logits(path, ids, config)
+    gguf_format.compare(got, want, cfg.quant, result)
+    log.info(
+        "verify: logits through transformers' GGUF loader vs the merged model: max diff %.2e (relative %.2e), greedy "
+        "agreement %.2f%%, tokenizer ids equal",
+        result.max_abs_logit_diff,
+        result.max_rel_logit_diff,
+        100 * result.greedy_agreement,
+    )
+    return result
