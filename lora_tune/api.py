@@ -27,6 +27,7 @@ quiet_libraries()  # before the libraries below load (bitsandbytes speaks at imp
 import torch  # noqa: E402
 import yaml  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from lora_tune import distributed, engines, evaluation, exporting, launcher, merger, planner, recipe, reporting, serving  # noqa: E402
 from lora_tune.aliases import resolve_base  # noqa: E402
@@ -141,6 +142,7 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
         raise UserError(f"{path} is not a folder; give an adapter folder written by train, or a merged model")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_ = WEIGHT_DTYPE.get(dtype, torch.bfloat16)
+    hf_logging.disable_progress_bar()  # a bar per load in a notebook says nothing
     adapter_config = folder / "adapter_config.json"
     if adapter_config.is_file():
         base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,34 +100,81 @@ class MicroBatches:
 
 @dataclass
 class MicroBatch:
-    inputs: dict[str, torch.Tensor]  # what the model's forward takes
+    inputs: dict[str, torch.Tensor]  # what the loss module's forward takes
     tokens: int  # real (non-padding) tokens
-    label_tokens: int  # tokens that carry a label (the loss is summed over these)
+    label_tokens: int  # tokens that carry a label
+    # What the step's loss is divided by, summed over the step's micro-batches on every rank:
+    # `normalizer` names the count passed as num_items_in_batch (label tokens for SFT, units for
+    # preference objectives); the others reach the loss as `<name>_in_step` inputs.
+    counts: dict[str, int] = field(default_factory=dict)
+    normalizer: str = "label_tokens"
+
+    @property
+    def weight(self) -> int:
+        """How much this micro-batch weighs in an average over micro-batches (evaluation)."""
+        return self.counts[self.normalizer]
+
+    def set_step_totals(self, totals: dict[str, float]) -> None:
+        """The step's totals of the counts other than the normalizer, as `<name>_in_step` inputs."""
+        self.inputs.update({f"{name}_in_step": torch.tensor(float(value)) for name, value in totals.items() if name != self.normalizer})
 
 
-def collate(rows: list[list], pad_id: int, packed: bool) -> MicroBatch:
+def _sequences(sample) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels) of each sequence a sample holds (a pair: two)."""
+    bounds = [*sample.starts, len(sample.input_ids)]
+    return [(sample.input_ids[a:b], sample.labels[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False) -> MicroBatch:
     """Rows of samples (each with input_ids and labels) into tensors, right-padded to the longest
-    row. Packed: the samples of a row are concatenated with their own position_ids and no attention
-    mask (padding is a block of its own). Unpacked: one sample per row and a 2-D attention mask."""
-    width = max(sum(len(s.input_ids) for s in row) for row in rows)
+    row. Packed: the sequences of a row are concatenated, each with its own position_ids (restarting
+    at 0) and no attention mask (padding is a block of its own). Unpacked: one sequence per row and
+    a 2-D attention mask.
+
+    `units`: each sample is a unit of an objective that scores whole sequences (a preference pair,
+    a KTO row with its KL sequence): the batch also says which sequence every position belongs to
+    (`sequence_ids`, -1 for none), how many label tokens each sequence has, the units' KTO labels
+    and, when precomputed, their reference log-probabilities; the loss divides by units."""
+    if not packed:  # each sequence a row of its own
+        rows = [[(seq, s)] for row in rows for s in row for seq in _sequences(s)]
+    else:
+        rows = [[(seq, s) for s in row for seq in _sequences(s)] for row in rows]
+    width = max(sum(len(ids) for (ids, _), _ in row) for row in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
     positions = torch.zeros((len(rows), width), dtype=torch.long)
-    tokens = 0
+    owners = torch.full((len(rows), width), -1, dtype=torch.long)
+    tokens, n_sequences = 0, 0
     for r, row in enumerate(rows):
         at = 0
-        for s in row:
-            n = len(s.input_ids)
-            ids[r, at : at + n] = torch.as_tensor(s.input_ids)
-            labels[r, at : at + n] = torch.as_tensor(s.labels)
+        for (seq_ids, seq_labels), _ in row:
+            n = len(seq_ids)
+            ids[r, at : at + n] = torch.as_tensor(seq_ids)
+            labels[r, at : at + n] = torch.as_tensor(seq_labels)
             positions[r, at : at + n] = torch.arange(n)
+            owners[r, at : at + n] = n_sequences
+            n_sequences += 1
             at += n
         positions[r, at:] = torch.arange(width - at)
         tokens += at
     label_count = int((labels[:, 1:] != IGNORE).sum())
+    inputs = {"input_ids": ids, "labels": labels}
     if packed:
-        return MicroBatch({"input_ids": ids, "labels": labels, "position_ids": positions}, tokens, label_count)
-    mask = (positions.new_zeros(positions.shape) + torch.arange(width)) < torch.tensor(
-        [sum(len(s.input_ids) for s in row) for row in rows]
-    ).unsqueeze(1)
-    return MicroBatch({"input_ids": ids, "labels": labels, "attention_mask": mask.long()}, tokens, label_count)
+        inputs["position_ids"] = positions
+    else:
+        lengths = torch.tensor([sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows])
+        inputs["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    if not units:
+        return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count})
+    samples = list(dict.fromkeys(id(s) for row in rows for _, s in row))  # each unit once, in order
+    by_id = {id(s): s for row in rows for _, s in row}
+    per_sequence = torch.zeros(n_sequences, dtype=torch.long)
+    per_sequence.index_add_(0, owners[:, 1:][labels[:, 1:] != IGNORE], torch.ones(label_count, dtype=torch.long))
+    inputs["sequence_ids"] = owners
+    inputs["sequence_label_tokens"] = per_sequence
+    inputs["unit_labels"] = torch.tensor([by_id[k].label for k in samples], dtype=torch.long)
+    if all(by_id[k].reference is not None for k in samples):
+        inputs["reference_logps"] = torch.tensor([v for k in samples for v in by_id[k].reference], dtype=torch.float32)
+    # The tokens the first sequences of the units predict (a pair's chosen: all but its first token): ORPO's NLL divides by these.
+    first_sequence = int((torch.bincount(owners[owners >= 0], minlength=n_sequences)[0::2] - 1).sum())
+    return MicroBatch(inputs, tokens, label_count, {"units": len(samples), "chosen_tokens": first_sequence}, "units")

@@ -231,22 +231,31 @@ def load_rng(path: Path) -> None:
 
 
 # --- pickle-free state of sharded optimizers ------------------------------------------------------
-def to_safe(obj, tensors: dict, path: str = "s"):
+def to_safe(obj, tensors: dict, path: str = "s", seen: dict | None = None):
     """JSON-able skeleton with tensors pulled out (saved with safetensors). Objects that are
     neither tensors nor plain data are dropped and taken from the live optimizer on load: DeepSpeed's
     state holds its ZeRO stage enum (kept as its int) and a loss scaler (static for our fp32 LoRA
-    states)."""
+    states). A tensor met twice (bitsandbytes' 8-bit states share one quantization map) is stored
+    once and comes back shared; a different view of memory already stored is stored as a copy."""
+    seen = {} if seen is None else seen
     if torch.is_tensor(obj):
-        tensors[path] = obj.detach().cpu().contiguous()
+        storage = (obj.device, obj.untyped_storage().data_ptr())
+        key = (*storage, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
+        if key in seen:
+            return {"__tensor__": seen[key]}
+        shares = any(k[:2] == storage for k in seen)
+        seen[key] = path
+        tensors[path] = obj.detach().cpu().clone() if shares else obj.detach().cpu().contiguous()
         return {"__tensor__": path}
     if isinstance(obj, Enum):
         return obj.value
     if isinstance(obj, dict):
-        return {
-            "__dict__": [[to_safe(k, tensors, f"{path}.k{i}"), to_safe(v, tensors, f"{path}.{i}")] for i, (k, v) in enumerate(obj.items())]
-        }
+        pairs = [
+            [to_safe(k, tensors, f"{path}.k{i}", seen), to_safe(v, tensors, f"{path}.{i}", seen)] for i, (k, v) in enumerate(obj.items())
+        ]
+        return {"__dict__": pairs}
     if isinstance(obj, (list, tuple)):
-        return {"__list__": [to_safe(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
+        return {"__list__": [to_safe(v, tensors, f"{path}.{i}", seen) for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     return {"__dropped__": type(obj).__name__}

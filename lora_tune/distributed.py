@@ -35,11 +35,19 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def _on_collective_device(t: torch.Tensor) -> torch.Tensor:
+    """NCCL reduces GPU tensors only; gloo CPU ones. The small tensors of these helpers go where the
+    process group's backend can reduce them."""
+    if torch.distributed.get_backend() == "nccl":
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
+
+
 def any_rank(flag: bool) -> bool:
     """True if the flag is set on any rank: used so that all ranks stop at the same step."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
-    t = torch.tensor([1 if flag else 0])
+    t = _on_collective_device(torch.tensor([1 if flag else 0]))
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 
@@ -48,9 +56,18 @@ def all_sum(value: float) -> float:
     """The sum of a number over all ranks (the number itself on one process)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return value
-    t = torch.tensor([value], dtype=torch.float64)
+    t = _on_collective_device(torch.tensor([value], dtype=torch.float64))
     torch.distributed.all_reduce(t)
     return float(t[0])
+
+
+def all_sum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The elementwise sum of a (CPU) tensor over all ranks, on every rank (the tensor itself on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return t
+    out = _on_collective_device(t.to(torch.float64).clone())
+    torch.distributed.all_reduce(out)
+    return out.to(device=t.device, dtype=t.dtype)
 
 
 LOST_PEER_EXIT = 75  # a rank's exit code when another rank died under it

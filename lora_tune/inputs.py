@@ -8,6 +8,8 @@ launcher runs it too, so a bad input fails once, in one line, before any process
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import os
@@ -18,17 +20,19 @@ import torch
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
-from lora_tune import engines, evaluation, planner, serving
+from lora_tune import engines, evaluation, objectives, planner, serving
 from lora_tune.adapter import Targets, meta_model, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
 from lora_tune.data import PreparedData, prepare_data
+from lora_tune.data.cache import cache_root as data_cache_root
 from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
 from lora_tune.loss import chunking_refusal
 from lora_tune.metrics import check_reporter
 from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, model_class, packing_refusal, pick_device
+from lora_tune.objectives import Objective
 from lora_tune.planner.architecture import unquantized_experts
 from lora_tune.planner.memory import GIB, Estimate, Setup
 
@@ -44,6 +48,15 @@ class SpeedLevers:
     packing: bool
     loss_chunk_size: int | None  # None: per micro-batch (auto); 0: the model's own full-logits loss
     attention: str
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    """The reference policy's log-probabilities: computed before training ("precompute", kept in
+    `cache` when the data cache is on, and in the run folder) or in every step ("per-step")."""
+
+    mode: str
+    cache: Path | None
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,8 @@ class RunInputs:
     batches: MicroBatches
     total_steps: int
     plan: MemoryPlan | None  # None when the architecture can't be read offline
+    objective: Objective
+    reference: ReferencePlan | None  # how the reference log-probabilities are computed (objectives that compare with one)
 
 
 def math_config(cfg: TrainConfig) -> dict:
@@ -222,8 +237,76 @@ def preflight(cfg: TrainConfig, device: torch.device):
     return MemoryPlan(estimate, setup, have)
 
 
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, base_id: str, trained: int, per_epoch: int):
+    """Where this run's reference log-probabilities come from, said in the log. Keyed for the cache
+    by what they depend on: the data, the base, the starting adapter, the compute precision."""
+    if not objective.reference:
+        return None
+    if cfg.init_adapter and cfg.reference == "per-step":
+        raise UserError(
+            "--reference per-step disables the adapter to get the reference, which with --init-adapter is not the starting "
+            "model; use --reference precompute (or auto)"
+        )
+    cache = None
+    if cfg.data_cache:
+        adapter = file_digest(Path(cfg.init_adapter).expanduser() / "adapter_model.safetensors") if cfg.init_adapter else None
+        key = hashlib.sha256(json.dumps([data.fingerprint, base_id, adapter, cfg.precision, cfg.max_seq_len]).encode()).hexdigest()[:24]
+        cache = data_cache_root(cfg) / "reference" / f"{key}.safetensors"
+    mode = objectives.reference_mode(cfg, objective, trained, per_epoch, cached=cache is not None and cache.is_file())
+    why = {
+        "precompute": "one pass over the data before training" + (" (cached for later runs)" if cache is not None else ""),
+        "per-step": "a forward with the adapter disabled in every step",
+    }[mode]
+    if cfg.reference != "auto":
+        why += f" (--reference {cfg.reference})"
+    elif mode == "per-step":
+        why += " (this run scores fewer units than the data holds, and none are cached)"
+    log.info("reference for %s: %s", objective.name, "from the cache" if mode == "precompute" and cache and cache.is_file() else why)
+    return ReferencePlan(mode, cache)
+
+
+def check_init_adapter(cfg: TrainConfig, targets: Targets | None) -> None:
+    """--init-adapter: an adapter folder whose shape is this run's (rank, alpha, targets, variants)."""
+    if not cfg.init_adapter:
+        return
+    folder = Path(cfg.init_adapter).expanduser()
+    config_file = folder / "adapter_config.json"
+    if not config_file.is_file() or not (folder / "adapter_model.safetensors").is_file():
+        raise UserError(f"--init-adapter: {folder} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
+    try:
+        saved = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"--init-adapter: {config_file} is unreadable ({e})") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"--init-adapter: {config_file} is not an adapter config")
+    wanted = {"r": cfg.rank, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.rslora, "use_dora": cfg.dora}
+    if targets is not None:
+        wanted["target_modules"] = sorted(targets.modules)
+    defaults = {"use_rslora": False, "use_dora": False}  # peft's, for configs written without them
+    found = {k: sorted(saved.get(k) or []) if k == "target_modules" else saved.get(k, defaults.get(k)) for k in wanted}
+
+    def shown(v):
+        return f"{v:g}" if isinstance(v, float) else repr(v)
+
+    differing = [f"{k} {shown(found[k])} (this run: {shown(wanted[k])})" for k in wanted if found[k] != wanted[k]]
+    if differing:
+        raise UserError(
+            f"--init-adapter: {folder} has {'; '.join(differing)}; pass the options it was trained with (e.g. --rank "
+            f"{saved.get('r')} --alpha {saved.get('lora_alpha')})"
+        )
+
+
 def check_inputs(cfg: TrainConfig) -> RunInputs:
     engines.check_compatibility(cfg)
+    objectives.check_options(cfg)
     check_reporter(cfg.report_to)
     output_dir, resume_from = check_output_dir(cfg)
     base_path = resolve_base(cfg.base)
@@ -233,6 +316,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, config.model_type)
     targets = lora_targets(cfg, config)
+    check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)
     check_eval_tasks(cfg)
     levers = speed_levers(cfg, config, device)
@@ -242,16 +326,20 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
     saved_state = check_resume_compatible(cfg, data, resume_from) if resume_from else None
-    batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, cfg.max_seq_len)
+    objective = objectives.of(cfg)
+    row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
+    batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)
     if levers.packing:
         tokens = sum(data.train.lengths)
         log.info(
             "packing: %d samples in %d rows of up to %d tokens (%.0f%% full)",
             len(data.train),
             batches.n_rows,
-            cfg.max_seq_len,
-            100 * tokens / (batches.n_rows * cfg.max_seq_len),
+            row,
+            100 * tokens / (batches.n_rows * row),
         )
+    steps = total_steps(cfg, len(batches))
+    reference = reference_plan(cfg, objective, data, base_id, steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,
         output_dir=output_dir,
@@ -266,6 +354,8 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         data=data,
         eval_prompts=eval_prompts,
         batches=batches,
-        total_steps=total_steps(cfg, len(batches)),
+        total_steps=steps,
         plan=preflight(cfg, device),
+        objective=objective,
+        reference=reference,
     )

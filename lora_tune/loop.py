@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
@@ -27,6 +30,27 @@ from lora_tune.planner import render
 log = logging.getLogger("lora_tune")
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+REFERENCE_FILE = "reference_logps.safetensors"
+
+
+def write_reference(path: Path, tables: dict[str, torch.Tensor]) -> None:
+    """Atomically: a temp name, then renamed (a killed run leaves no half file to read back)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    ckpt.write_safetensors(tmp, {k: v.contiguous() for k, v in tables.items()})
+    os.replace(tmp, path)
+
+
+def reference_tables(path: Path, expected: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
+    """The saved tables when they fit this data (their shapes), else None (recomputed)."""
+    try:
+        tables = load_file(str(path))
+    except (SafetensorError, OSError):
+        log.warning("ignoring unreadable reference log-probabilities in %s; computing them again", path)
+        return None
+    if {k: tuple(v.shape) for k, v in tables.items()} != expected:
+        return None
+    return tables
 
 
 class TrainingLoop:
@@ -49,16 +73,84 @@ class TrainingLoop:
         dealt out round-robin, so N ranks together see what one process would, in order."""
         world, rank = dist.world_size(), dist.rank()
         first = step * self.cfg.grad_accum
-        train, packing = self.inputs.data.train, self.inputs.levers.packing
-        return [
-            collate([[train[i] for i in row] for row in self.inputs.batches.rows(j * world + rank)], self.pad_id, packing)
-            for j in range(first, first + self.cfg.grad_accum)
-        ]
+        train = self.inputs.data.train
+        return [self._collate(train, self.inputs.batches.rows(j * world + rank)) for j in range(first, first + self.cfg.grad_accum)]
+
+    def _collate(self, samples, rows: list[list[int]]):
+        return collate([[samples[i] for i in row] for row in rows], self.pad_id, self.inputs.levers.packing, self.inputs.objective.units)
+
+    def _micro_batch_rows(self, samples) -> list[list[list[int]]]:
+        """Every sample once, packed (or one per row), in micro-batches: evaluation's and the reference pass's."""
+        row = self.cfg.max_seq_len * self.inputs.objective.sequences_per_unit
+        rows = pack_best_fit_decreasing(samples.lengths, row) if self.inputs.levers.packing else [[i] for i in range(len(samples))]
+        mbs = self.cfg.micro_batch_size
+        return [rows[j : j + mbs] for j in range(0, len(rows), mbs)]
 
     def eval_batches(self) -> list:
-        samples, mbs, packing = self.inputs.data.eval, self.cfg.micro_batch_size, self.inputs.levers.packing
-        rows = pack_best_fit_decreasing(samples.lengths, self.cfg.max_seq_len) if packing else [[i] for i in range(len(samples))]
-        return [collate([[samples[i] for i in row] for row in rows[j : j + mbs]], self.pad_id, packing) for j in range(0, len(rows), mbs)]
+        samples = self.inputs.data.eval
+        return [self._collate(samples, rows) for rows in self._micro_batch_rows(samples)]
+
+    # --- the reference policy ------------------------------------------------------------------------
+    def prepare_reference(self) -> None:
+        """Precomputed reference log-probabilities for every train and eval unit, scored by the model
+        as it starts (before any update): read from this run's folder (a resume) or the data cache,
+        else computed in one pass, every rank taking its share of the micro-batches."""
+        plan = self.inputs.reference
+        if plan is None or plan.mode != "precompute":
+            return
+        data = self.inputs.data
+        expected = {
+            "train": (len(data.train), self.inputs.objective.sequences_per_unit),
+            "eval": (len(data.eval), self.inputs.objective.sequences_per_unit),
+        }
+        own = self.inputs.output_dir / REFERENCE_FILE
+        for source in (own, plan.cache):
+            if source is not None and source.is_file():
+                tables = reference_tables(source, expected)
+                if tables is not None:
+                    log.info("reference log-probabilities read from %s", source)
+                    break
+        else:
+            if self.inputs.resume_from and self.cfg.init_adapter:
+                raise TrainingStopped(
+                    f"the reference log-probabilities of this run ({own.name}, scored by its starting adapter) are missing from "
+                    f"{own.parent}; restore the file, or start a new run from --init-adapter {self.cfg.init_adapter}",
+                    2,
+                    "error",
+                )
+            t0 = time.perf_counter()
+            tables = {"train": self._score(data.train), "eval": self._score(data.eval)}
+            log.info(
+                "reference log-probabilities of %d + %d units computed in %.1f s", len(data.train), len(data.eval), time.perf_counter() - t0
+            )
+            if plan.cache is not None and dist.is_main():
+                write_reference(plan.cache, tables)
+        if dist.is_main() and not own.is_file():
+            self.inputs.output_dir.mkdir(parents=True, exist_ok=True)
+            write_reference(own, tables)
+        data.train.reference, data.eval.reference = tables["train"], tables["eval"]
+
+    def _score(self, samples) -> torch.Tensor:
+        """[units, sequences] log-probabilities of the model as it is, no gradient; collective."""
+        table = torch.zeros(len(samples), self.inputs.objective.sequences_per_unit)
+        batches = self._micro_batch_rows(samples)
+        if not batches:
+            return table
+        world, rank = dist.world_size(), dist.rank()
+        # Every rank runs as many forwards (ZeRO-3 and FSDP2 gather weights collectively); one past the
+        # end repeats an earlier micro-batch and is not kept.
+        mine = [k * world + rank for k in range(-(-len(batches) // world))]
+        self.model.recorded = []
+        try:
+            self.engine.evaluate([self._collate(samples, batches[j % len(batches)]) for j in mine])
+            recorded = self.model.recorded
+        finally:
+            self.model.recorded = None
+        for j, logps in zip(mine, recorded):
+            if j < len(batches):
+                units = list(dict.fromkeys(i for row in batches[j] for i in row))
+                table[units] = logps.reshape(len(units), -1)
+        return dist.all_sum_tensor(table)
 
     # --- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -81,8 +173,7 @@ class TrainingLoop:
         # The step's loss is the sum over every label token of every rank, divided by their count.
         # Each rank divides by count / world size, because the backends average gradients over
         # ranks: N ranks then compute exactly what one process would.
-        n_labels = dist.all_sum(sum(b.label_tokens for b in batches))
-        divisor = n_labels / dist.world_size() if dist.world_size() > 1 else n_labels
+        divisor = self._step_totals(batches)
         try:
             loss = sum(float(self.engine.forward_backward(b, divisor)) for b in batches)
             loss = dist.all_sum(loss) / dist.world_size()  # what is logged: the whole step's loss
@@ -93,7 +184,8 @@ class TrainingLoop:
         if not self.stepped:  # the first step is when layers build their lasting state (bitsandbytes does)
             self.report_memory(f"after step {state.step}")
             self.stepped = True
-        step_tokens = sum(b.tokens for b in batches)
+        objective_metrics = self._objective_metrics()  # every rank, every step: the sums are collective
+        step_tokens = int(dist.all_sum(sum(b.tokens for b in batches)))  # the job's, not this rank's
         state.tokens_seen += step_tokens
         seconds = time.perf_counter() - t0
         bad = dist.any_rank(not math.isfinite(loss) or (not applied and not self.engine.skips_overflow))
@@ -113,6 +205,7 @@ class TrainingLoop:
                     "tokens_seen": state.tokens_seen,
                     "step_seconds": seconds,
                     "skipped": not applied,
+                    **objective_metrics,
                 }
             )
         if self._has_eval() and cfg.eval_steps and state.step % cfg.eval_steps == 0:
@@ -137,6 +230,22 @@ class TrainingLoop:
                 "Continue with the same command plus --resume",
                 EXIT_SIGNAL[signum],
             )
+
+    def _step_totals(self, batches) -> float:
+        """What the step's loss is divided by: its micro-batches' counts summed over every rank.
+        Each rank divides by the total / world size, because the backends average gradients over
+        ranks: N ranks then compute exactly what one process would. Counts other than the
+        normalizer reach the loss as `<name>_in_step` inputs."""
+        world = dist.world_size()
+        totals = {name: dist.all_sum(sum(b.counts[name] for b in batches)) / world for name in batches[0].counts}
+        for batch in batches:
+            batch.set_step_totals(totals)
+        return totals[batches[0].normalizer]
+
+    def _objective_metrics(self, prefix: str = "") -> dict[str, float]:
+        """The objective's own measures (rewards, accuracies) since last asked, over every rank."""
+        stats = self.model.take_stats()
+        return {f"{prefix}{name}": dist.all_sum(total) / max(dist.all_sum(count), 1) for name, (total, count) in sorted(stats.items())}
 
     def _on_signal(self, signum, frame):  # noqa: ARG002 - signal handler signature
         # Only set a flag: the step in flight finishes, then the loop checkpoints and exits.
@@ -173,12 +282,20 @@ class TrainingLoop:
         self.last_eval_step = self.state.step
         lines = []
         if self.inputs.data.eval:
-            total, tokens = self.engine.evaluate(self.eval_batches())
-            loss = total / max(tokens, 1)
-            result = {"step": self.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+            self.model.take_stats()  # training's, already logged
+            total, weight = self.engine.evaluate(self.eval_batches())
+            loss = total / max(weight, 1)
+            result = {"step": self.state.step, "eval_loss": loss, **self._objective_metrics("eval_")}
+            if "eval_rewards/accuracies" in result:  # a preference loss: no perplexity, the rewards instead
+                measure = f"reward accuracy {result['eval_rewards/accuracies']:.3f}, margin {result['eval_rewards/margins']:.3f}"
+            elif self.inputs.objective.name == "sft":
+                result["eval_ppl"] = math.exp(min(loss, 50.0))
+                measure = f"perplexity {result['eval_ppl']:.2f}"
+            else:
+                measure = ", ".join(f"{k.removeprefix('eval_')} {v:.3f}" for k, v in result.items() if k not in ("step", "eval_loss"))
             if self.metrics:
                 self.metrics.write(result)
-            lines.append(f"eval at step {result['step']}: loss {result['eval_loss']:.4f}, perplexity {result['eval_ppl']:.2f}")
+            lines.append(f"eval at step {result['step']}: loss {result['eval_loss']:.4f}, {measure}")
         if self.cfg.eval_tasks:
             cfg = self.cfg
             peft_model, tokenizer = self.model.peft_model, self.inputs.tokenizer

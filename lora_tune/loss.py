@@ -56,6 +56,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * (grad_output / ctx.divisor).to(grad_hidden.dtype), None, None, None, None, None, None
 
 
+class _SequenceLogProbs(torch.autograd.Function):
+    """Per sequence, the summed log-probability of its label tokens, chunk by chunk: the preference
+    objectives' input. The loss is a nonlinear function of these sums, so forward keeps d logp / d
+    hidden of each label position (hidden-size rows, as the cross-entropy above keeps its gradient)
+    and backward scales each row by its sequence's upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, sequence_ids, n_sequences: int, chunk_size: int, softcap: float | None):
+        keep_grad = ctx.needs_input_grad[0]
+        positions = (targets != IGNORE).nonzero().squeeze(1)
+        owners = sequence_ids.index_select(0, positions)
+        sums = hidden.new_zeros((n_sequences,), dtype=torch.float32)
+        grads = hidden.new_empty((positions.numel(), hidden.shape[1])) if keep_grad else None
+        for start in range(0, positions.numel(), chunk_size):
+            idx = positions[start : start + chunk_size]
+            h, t = hidden.index_select(0, idx), targets.index_select(0, idx)
+            logits = (h @ weight.t() if bias is None else h @ weight.t() + bias).float()
+            if softcap:
+                capped = torch.tanh(logits / softcap)
+                logits = capped * softcap
+            lse = torch.logsumexp(logits, dim=-1)
+            sums.index_add_(0, owners[start : start + chunk_size], logits.gather(1, t.unsqueeze(1)).squeeze(1) - lse)
+            if keep_grad:
+                grad = -torch.exp(logits - lse.unsqueeze(1))  # d logp / d logits = onehot - softmax
+                grad.scatter_add_(1, t.unsqueeze(1), grad.new_ones((t.numel(), 1)))
+                if softcap:
+                    grad *= 1.0 - capped * capped
+                grads[start : start + idx.numel()] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+        if keep_grad:
+            ctx.save_for_backward(grads, positions, owners)
+            ctx.hidden_shape = hidden.shape
+        return sums
+
+    @staticmethod
+    def backward(ctx, grad_sums):
+        grads, positions, owners = ctx.saved_tensors
+        grad_hidden = grads.new_zeros(ctx.hidden_shape)
+        grad_hidden.index_copy_(0, positions, grads * grad_sums.index_select(0, owners).unsqueeze(1).to(grads.dtype))
+        return grad_hidden, None, None, None, None, None, None, None
+
+
+def sequence_log_probs(hidden, weight, targets, sequence_ids, n_sequences: int, chunk_size: int, softcap=None, bias=None) -> torch.Tensor:
+    """[n_sequences] summed log p(target) of each sequence's label positions (`sequence_ids` says
+    whose each position is), computed `chunk_size` positions at a time; differentiable."""
+    return _SequenceLogProbs.apply(hidden, weight, bias, targets, sequence_ids, n_sequences, chunk_size, softcap)
+
+
 def auto_chunk_size(tokens: int, hidden: int, vocab: int) -> int:
     """Liger's rule: about tokens / (vocab / hidden) tokens per chunk, a power of two, so a chunk's
     logits take about as much memory as the micro-batch's hidden states."""
@@ -90,6 +137,16 @@ def chunking_refusal(config) -> str | None:
     return None
 
 
+def shifted_hidden(peft_model, input_ids, labels, attention_mask=None, position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """([positions, hidden], [positions]): the decoder's last hidden states and the token each one
+    predicts (position t predicts token t + 1, shifted within each row), rows flattened."""
+    hf_model = peft_model.get_base_model()
+    body = getattr(hf_model, hf_model.base_model_prefix)  # the decoder without its head
+    # No KV cache: with one, transformers stops reading packed sequences from position_ids.
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
+
+
 class CausalLMLoss(torch.nn.Module):
     """The peft model whose forward returns the loss (summed over label tokens / `num_items_in_batch`).
     `chunk_size`: label tokens per chunk of the head + cross-entropy; None picks it per micro-batch
@@ -114,12 +171,13 @@ class CausalLMLoss(torch.nn.Module):
                 position_ids=position_ids,
                 num_items_in_batch=num_items_in_batch,
             ).loss
-        hf_model = self.peft_model.get_base_model()
-        body = getattr(hf_model, hf_model.base_model_prefix)  # the decoder without its head
-        hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
-        # Position t predicts token t + 1: shift within each row.
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])
-        targets = labels[:, 1:].reshape(-1)
-        head = hf_model.get_output_embeddings()
-        chunk = self.chunk_size or auto_chunk_size(hidden.shape[0], hidden.shape[1], head.weight.shape[0])
-        return linear_cross_entropy(hidden, head.weight, targets, num_items_in_batch, chunk, self.softcap, head.bias)
+        hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids)
+        head = self.peft_model.get_base_model().get_output_embeddings()
+        return linear_cross_entropy(hidden, head.weight, targets, num_items_in_batch, self.chunk(hidden, head), self.softcap, head.bias)
+
+    def chunk(self, hidden: torch.Tensor, head) -> int:
+        return self.chunk_size or auto_chunk_size(hidden.shape[0], hidden.shape[1], head.weight.shape[0])
+
+    def take_stats(self) -> dict[str, tuple[float, int]]:
+        """What the objective measured since it was last asked (name -> (sum, count)): none for SFT."""
+        return {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from lora_tune import reporting
+from lora_tune import objectives, reporting
 from lora_tune.aliases import resolve_base
 from lora_tune.config import TrainConfig
 from lora_tune.data import prepare_data
@@ -28,6 +28,9 @@ def in_notebook() -> bool:
         return False
 
 
+SEQUENCE_NAMES = {"pairs": ("chosen", "rejected"), "unpaired": ("completion", "KL sequence (the previous row's answer)")}
+
+
 def show_samples(data, base: str, n: int = 3, max_seq_len: int = 2048, **options) -> list[str]:
     """The first `n` training samples as token pieces: masked (no loss) in grey, trained in green,
     exactly as `train` would build them from the same options. Returns the HTML (also displayed)."""
@@ -36,11 +39,14 @@ def show_samples(data, base: str, n: int = 3, max_seq_len: int = 2048, **options
     )
     tokenizer = load_tokenizer(resolve_base(base), cfg.trust_remote_code)
     prepared = prepare_data(cfg, tokenizer)
+    names = SEQUENCE_NAMES.get(objectives.of(cfg).data, ())
     pages = []
     for i in range(min(n, len(prepared.train))):
         sample = prepared.train[i]
         spans = []
-        for token, label in zip(sample.input_ids, sample.labels):
+        for k, (token, label) in enumerate(zip(sample.input_ids, sample.labels)):
+            if k in sample.starts and names:  # a pair's (or KTO row's) sequences, each under its name
+                spans.append(f"{'<br>' if k else ''}<i>{names[sample.starts.index(k)]}:</i> ")
             text = html.escape(tokenizer.decode([token])).replace("\n", "↵<br>")
             style = "color:#999" if label == IGNORE else "color:#0a7d2c;font-weight:bold"
             spans.append(f'<span style="{style}">{text}</span>')
@@ -79,10 +85,15 @@ class LivePlot:
 
     def draw(self):
         plt = reporting.pyplot(headless=not in_notebook())
+        rewards = any(reporting.REWARDS in r for r in self.rows)  # a preference run: its rewards get a panel
         if self.figure is None:
-            self.figure, self.axes = plt.subplots(1, len(self.PANELS), figsize=(13, 3.2))
+            self.figure, self.axes = plt.subplots(1, len(self.PANELS) + rewards, figsize=(13 + 4 * rewards, 3.2))
             plt.close(self.figure)  # shown through display(), not twice
         reporting.draw(dict(zip(self.PANELS, self.axes)), self.rows)
+        if rewards:
+            for extra in self.figure.axes[len(self.axes) :]:  # the margin axis drawn with the rewards last time
+                extra.remove()
+            reporting.draw_rewards(self.axes[-1], self.rows)
         self.figure.tight_layout()
         if in_notebook():
             from IPython.display import display  # noqa: PLC0415 - optional dependency: present inside a notebook

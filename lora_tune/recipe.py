@@ -10,6 +10,7 @@ which backend runs.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import yaml
 
@@ -20,7 +21,6 @@ from lora_tune.adapter import add_lora
 from lora_tune.config import TrainConfig
 from lora_tune.inputs import check_inputs
 from lora_tune.loop import TrainingLoop
-from lora_tune.loss import CausalLMLoss
 from lora_tune.metrics import MetricsLog
 
 log = logging.getLogger("lora_tune")
@@ -42,11 +42,15 @@ class Recipe:
         # Only now, with every input checked, the expensive part. The engine decides how the base
         # is loaded and partitioned and when the adapter goes in.
         engine = engines.create(cfg, inputs.device)
-        model = engine.load(
-            inputs.base_path, lambda base: CausalLMLoss(add_lora(base, cfg, inputs.base_id, inputs.targets), inputs.levers.loss_chunk_size)
-        )
+
+        def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
+            return inputs.objective.loss_module(add_lora(base, cfg, inputs.base_id, inputs.targets), inputs.levers.loss_chunk_size, cfg)
+
+        model = engine.load(inputs.base_path, loss_module)
         if inputs.resume_from:
             engine.load_adapter(inputs.resume_from)
+        elif cfg.init_adapter:
+            engine.load_adapter(Path(cfg.init_adapter).expanduser())
         engine.prepare(model, inputs.total_steps)
         state = ckpt.TrainerState()
         if inputs.resume_from:
@@ -61,6 +65,7 @@ class Recipe:
                 inputs.output_dir, cfg.report_to, cfg.model_dump(), state.step if cfg.resume else None, self.on_metrics
             )
         self.loop = TrainingLoop(inputs, engine, model, state, self.metrics)
+        self.loop.prepare_reference()
         self.loop.report_memory("after loading")
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
         log.info(

@@ -43,9 +43,13 @@ def summary(rows: list[dict]) -> str:
     ]
     if evals:
         best = min(evals, key=lambda r: number(r["eval_loss"]))
+        ppl = f" (perplexity {number(evals[-1]['eval_ppl']):.2f})" if "eval_ppl" in evals[-1] else ""
+        last = number(evals[-1]["eval_loss"])
+        lines.append(f"eval loss: last {last:.4f}{ppl}; best {number(best['eval_loss']):.4f} at step {best['step']}")
+    if REWARDS in steps[-1]:  # a preference objective
+        held_out = f" (eval {number(evals[-1]['eval_' + REWARDS]):.3f})" if evals and "eval_" + REWARDS in evals[-1] else ""
         lines.append(
-            f"eval loss: last {number(evals[-1]['eval_loss']):.4f} (perplexity {number(evals[-1]['eval_ppl']):.2f}); "
-            f"best {number(best['eval_loss']):.4f} at step {best['step']}"
+            f"rewards: accuracy last {number(steps[-1][REWARDS]):.3f}{held_out}; margin {number(steps[-1].get('rewards/margins')):.3f}"
         )
     skipped = sum(1 for r in steps if r.get("skipped"))
     if skipped:
@@ -57,6 +61,7 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+REWARDS = "rewards/accuracies"  # logged by the preference objectives (TRL's name)
 PANELS = {
     "loss": ("loss", 1),
     "lr": ("learning rate", 1),
@@ -98,14 +103,40 @@ def draw(axes: dict, rows: list[dict]) -> None:
         ax.grid(alpha=0.3)
 
 
+def draw_rewards(ax, rows: list[dict]) -> None:
+    """A preference run's reward accuracy (train, and eval when measured) and margin."""
+    steps = [r for r in rows if REWARDS in r]
+    evals = [r for r in rows if "eval_" + REWARDS in r]
+    ax.clear()
+    ax.plot([r["step"] for r in steps], [number(r[REWARDS]) for r in steps], label="reward accuracy")
+    if evals:
+        ax.plot([r["step"] for r in evals], [number(r["eval_" + REWARDS]) for r in evals], "o-", label="eval reward accuracy")
+    margins = ax.twinx()
+    margins.plot([r["step"] for r in steps], [number(r.get("rewards/margins")) for r in steps], color="tab:gray", alpha=0.6)
+    margins.set_ylabel("reward margin")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("rewards")
+    ax.set_xlabel("step")
+    ax.legend(loc="lower right")
+    ax.grid(alpha=0.3)
+
+
 def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
-    """The four panels of the metrics, and a fifth of lm-eval scores when the run was evaluated."""
+    """The four panels of the metrics, then a column for the rewards of a preference run and the
+    lm-eval scores when the run was evaluated."""
     plt = pyplot()
-    fig, axes = plt.subplots(2, 3 if eval_results else 2, figsize=(16 if eval_results else 11, 7), squeeze=False)
+    rewards = any(REWARDS in r for r in rows)
+    extra = bool(eval_results) or rewards
+    fig, axes = plt.subplots(2, 3 if extra else 2, figsize=(16 if extra else 11, 7), squeeze=False)
     draw(dict(zip(PANELS, [ax for row in axes for ax in row[:2]])), rows)
-    if eval_results:
-        plot_eval_results(axes[0][2], eval_results)
-        axes[1][2].axis("off")
+    if extra:
+        free = [axes[0][2], axes[1][2]]
+        if rewards:
+            draw_rewards(free.pop(0), rows)
+        if eval_results:
+            plot_eval_results(free.pop(0), eval_results)
+        for ax in free:
+            ax.axis("off")
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)

@@ -156,10 +156,17 @@ def data_config(data="x.jsonl", **kw):
     return TrainConfig(base="tiny-llama", data=data if isinstance(data, list) else str(data), output_dir="out", **kw)
 
 
+def tokenize_rows(tokenizer, fmt: str, records: list[dict], **options) -> list[tuple[Sample, int]]:
+    """Records through the tokenizing map function as one batch: (sample, status) each."""
+    out = Tokenize(tokenizer, fmt, data_config(**options), "d.jsonl")(
+        {k: [r[k] for r in records] for k in records[0]}, list(range(len(records)))
+    )
+    return [(Sample(*(out[k][i] for k in ("input_ids", "labels", "starts", "label"))), out["status"][i]) for i in range(len(records))]
+
+
 def tokenize_one(tokenizer, fmt: str, record: dict, **options) -> tuple[Sample, int]:
     """One record through the tokenizing map function: (sample, status)."""
-    out = Tokenize(tokenizer, fmt, data_config(**options), "d.jsonl")({k: [v] for k, v in record.items()}, [0])
-    return Sample(out["input_ids"][0], out["labels"][0]), out["status"][0]
+    return tokenize_rows(tokenizer, fmt, [record], **options)[0]
 
 
 def trained_spans(tokenizer, sample: Sample) -> list[str]:

@@ -5,6 +5,7 @@ loaded, with nothing written to disk."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,16 @@ class Case:
 
     def train(self, data=None, **options) -> list:
         return fast_train_args(self.model, self.good if data is None else data, self.out, **options)
+
+    @property
+    def pairs(self) -> Path:
+        return write_jsonl(self.tmp / "pairs.jsonl", [{"prompt": "Q", "chosen": " yes", "rejected": " no"}])
+
+    def adapter(self, rank: int) -> Path:
+        """An adapter folder as the tiny model's runs write it (rank, alpha 2 x rank, every linear layer)."""
+        modules = ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+        self.file("sft/adapter_config.json", json.dumps({"r": rank, "lora_alpha": 2 * rank, "target_modules": modules}))
+        return self.file("sft/adapter_model.safetensors", "").parent
 
 
 # (arguments, expected fragment of the one error line): each built from a Case.
@@ -201,6 +212,40 @@ BAD_INPUT = {
     ),
     "offload on one device": (lambda c: c.train(offload="cpu"), "--offload needs a sharding backend"),
     "an adapter vLLM can't serve": (lambda c: c.train(dora=True, serve_with="vllm"), "--serve-with vllm: "),
+    "preference pairs with the sft objective": (lambda c: c.train(c.pairs), "--objective sft trains on text, alpaca, chat"),
+    "sft data with a preference objective": (
+        lambda c: c.train(objective="dpo"),
+        "--objective dpo trains on preference pairs: prompt + chosen + rejected; --data",
+    ),
+    "unknown objective": (
+        lambda c: c.train(c.pairs, objective="ppo"),
+        "--objective: got 'ppo'; input should be 'sft', 'dpo', 'ipo', 'orpo', 'simpo' or 'kto'",
+    ),
+    "an option of another objective": (
+        lambda c: c.train(c.pairs, objective="dpo", orpo_lambda=0.5),
+        "--orpo-lambda applies to --objective orpo",
+    ),
+    "beta with orpo": (lambda c: c.train(c.pairs, objective="orpo", beta=0.5), "ORPO's weight is --orpo-lambda"),
+    "train on prompt with preferences": (
+        lambda c: c.train(c.pairs, objective="dpo", train_on_prompt=True),
+        "--train-on-prompt trains next",
+    ),
+    "a kto label that is not a bool": (
+        lambda c: c.train(write_jsonl(c.tmp / "kto.jsonl", [{"prompt": "Q", "completion": "A", "label": "good"}]), objective="kto"),
+        "kto.jsonl: row 1: 'label' must be true (desirable) or false (undesirable), got 'good'",
+    ),
+    "init adapter not an adapter": (
+        lambda c: c.train(c.pairs, objective="dpo", init_adapter=c.folder("empty")),
+        "is not an adapter folder",
+    ),
+    "init adapter of another rank": (
+        lambda c: c.train(c.pairs, objective="dpo", init_adapter=c.adapter(rank=8)),
+        "has r 8 (this run: 4); lora_alpha 16 (this run: 8); pass the options it was trained with (e.g. --rank 8 --alpha 16)",
+    ),
+    "per-step reference with an init adapter": (
+        lambda c: c.train(c.pairs, objective="dpo", init_adapter=c.adapter(rank=4), reference="per-step"),
+        "--reference per-step disables the adapter",
+    ),
     "several processes on one device": (
         lambda c: c.train(nproc=2, backend="single"),
         "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",

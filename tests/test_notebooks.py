@@ -35,7 +35,7 @@ def images(nb) -> int:
 
 
 def test_notebooks_are_stored_without_outputs_and_install_in_colab():
-    assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb", "plan_70b.ipynb", "merge_and_serve.ipynb"}
+    assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb", "plan_70b.ipynb", "merge_and_serve.ipynb", "preference.ipynb"}
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), path.name
@@ -70,3 +70,16 @@ def test_merge_and_serve(tmp_path, monkeypatch):
     assert "verified: drift" in text
     assert "model.safetensors" in text and "config.json" in text and "tokenizer.json" in text
     assert "merged:" in text and "adapter:" in text and "greedy tokens agree" in text
+
+
+def test_preference(tmp_path, monkeypatch):
+    """SFT, then DPO from the SFT adapter: the pairs shown as scored, the plan of two sequences, the
+    rule followed by no generation before and by every one after, the merge generating the same."""
+    nb = execute(ROOT / "notebooks" / "preference.ipynb", tmp_path, monkeypatch)
+    text = text_of(nb)
+    assert "chosen:" in text and "rejected:" in text and "green: trained" in text
+    assert "x 2 sequences (dpo)" in text and "reference (dpo)" in text
+    assert "(0 of 6 follow the rule)" in text and "(6 of 6 follow the rule)" in text
+    assert "held-out reward accuracy 1.00" in text and "reference for dpo: one pass over the data" in text
+    assert images(nb) >= 1 and (tmp_path / "dpo_curves.png").is_file()
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and "merged:" in text

@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import datasets
 import torch
 
+from lora_tune import objectives
 from lora_tune.data import cache, formats, sources
-from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, TRUNCATED, Tokenize
+from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
 from lora_tune.errors import UserError
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
@@ -30,6 +31,9 @@ PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more
 class Sample:
     input_ids: list[int]
     labels: list[int]
+    starts: list[int] = field(default_factory=lambda: [0])  # where each of its sequences begins (a pair: two)
+    label: int = NO_LABEL  # KTO: 1 desirable, 0 undesirable
+    reference: list[float] | None = None  # precomputed reference log-probability of each sequence
 
 
 class Samples:
@@ -38,13 +42,15 @@ class Samples:
     def __init__(self, dataset=None):
         self.ds = dataset
         self.lengths = [int(n) for n in dataset["length"]] if dataset is not None and len(dataset) else []
+        self.reference: torch.Tensor | None = None  # [samples, sequences]: set once precomputed
 
     def __len__(self) -> int:
         return len(self.lengths)
 
     def __getitem__(self, i: int) -> Sample:
         row = self.ds[int(i)]
-        return Sample(row["input_ids"], row["labels"])
+        reference = self.reference[int(i)].tolist() if self.reference is not None else None
+        return Sample(row["input_ids"], row["labels"], row["starts"], row["label"], reference)
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -56,12 +62,14 @@ class DataStats:
     truncated: int = 0
     dropped_long: int = 0
     dropped_no_labels: int = 0
+    dropped_same: int = 0
     tokens: int = 0
 
     def summary(self) -> str:
+        same = f", {self.dropped_same} pairs dropped with chosen == rejected" if self.dropped_same else ""
         return (
             f"{self.rows} rows; {self.truncated} truncated, {self.dropped_long} dropped as too long, "
-            f"{self.dropped_no_labels} dropped with no trainable tokens"
+            f"{self.dropped_no_labels} dropped with no trainable tokens{same}"
         )
 
     def add(self, other: DataStats) -> None:
@@ -106,7 +114,14 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
         fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option)
         ints = datasets.Sequence(datasets.Value("int32"))
         features = datasets.Features(
-            {"input_ids": ints, "labels": ints, "length": datasets.Value("int32"), "status": datasets.Value("int8")}
+            {
+                "input_ids": ints,
+                "labels": ints,
+                "starts": ints,
+                "label": datasets.Value("int8"),
+                "length": datasets.Value("int32"),
+                "status": datasets.Value("int8"),
+            }
         )
         where = {"keep_in_memory": True} if workdir is None else {"cache_file_name": str(workdir / "tokens.arrow")}
         if workdir is not None:
@@ -127,8 +142,9 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
             "truncated": status.count(TRUNCATED),
             "dropped_long": status.count(DROPPED_LONG),
             "dropped_no_labels": status.count(DROPPED_NO_LABELS),
+            "dropped_same": status.count(DROPPED_SAME),
         }
-        dropped = {DROPPED_LONG, DROPPED_NO_LABELS}
+        dropped = {DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME}
         if any(s in dropped for s in status):
             ds = ds.select([i for i, s in enumerate(status) if s not in dropped])
         ds = ds.remove_columns(["status"])
@@ -180,9 +196,21 @@ def select(datasets_: list, picks: list[tuple[int, int]]):
     return datasets.concatenate_datasets(datasets_).select([offsets[s] + i for s, i in picks])
 
 
+def check_objective(cfg, data_sources, built) -> None:
+    """Every source's format is data the objective trains on (pairs for DPO, ...)."""
+    objective = objectives.of(cfg)
+    for source, (_, meta) in zip(data_sources, built):
+        reason = objectives.data_refusal(
+            objective, formats.kind(formats.BY_NAME[meta["format"]]), meta["format"], f"{source.option} {source.label}"
+        )
+        if reason:
+            raise UserError(reason)
+
+
 def prepare_data(cfg, tokenizer) -> PreparedData:
     train_sources = sources.parse_sources(cfg.data, getattr(cfg, "data_weights", None), getattr(cfg, "data_columns", None))
     built = [tokenized_source(s, tokenizer, cfg) for s in train_sources]
+    check_objective(cfg, train_sources, built)
     picks, counts = mix([d for d, _ in built], [s.weight for s in train_sources], cfg.seed)
     stats, per_source = DataStats(), []
     for source, (ds, meta), count in zip(train_sources, built, counts):
@@ -202,6 +230,7 @@ def prepare_data(cfg, tokenizer) -> PreparedData:
     if cfg.eval_data:
         eval_sources = sources.parse_sources(cfg.eval_data, None, getattr(cfg, "data_columns", None), "--eval-data")
         eval_built = [tokenized_source(s, tokenizer, cfg) for s in eval_sources]
+        check_objective(cfg, eval_sources, eval_built)
         eval_keys = [meta["key"] for _, meta in eval_built]
         eval_picks, _ = mix([d for d, _ in eval_built], [None] * len(eval_built), cfg.seed)
         eval_ds = select([d for d, _ in eval_built], eval_picks)

@@ -24,7 +24,7 @@ import datasets
 import datasets.config
 
 log = logging.getLogger("lora_tune")
-VERSION = 1  # bump when what is cached changes meaning
+VERSION = 2  # bump when what is cached changes meaning (2: samples hold sequence starts and a KTO label)
 
 
 def cache_root(cfg) -> Path:

@@ -98,3 +98,18 @@ class ChatRenderer:
             return self._render(self._system(messages), True, tools)
         except Exception as e:  # noqa: BLE001 - as in pieces()
             raise UserError(f"{where}: the model's chat template refuses this conversation ({first_line(e)})") from None
+
+    def completion_pieces(self, prompt: list[dict], completion: list[dict], where: str, tools=None) -> list[tuple[str, bool]]:
+        """A prompt and one completion of it (preference data): the prompt rendered up to where the
+        answer starts, untrained, then everything the completion adds, trained (TRL renders the
+        same two texts)."""
+        messages = self._system(prompt + completion)
+        cut = len(messages) - len(completion)
+        try:
+            head = self._render(messages[:cut], True, tools)
+            full = self._render(messages, False, tools)
+        except Exception as e:  # noqa: BLE001 - as in pieces()
+            raise UserError(f"{where}: the model's chat template refuses this conversation ({first_line(e)})") from None
+        if not full.startswith(head):
+            raise UserError(f"{where}: the chat template renders the prompt differently with its answer; loss masks can't be built from it")
+        return [(head, False), (full[len(head) :], True)]

@@ -50,17 +50,21 @@ def to_device(inputs: dict, device: torch.device) -> dict:
 
 @torch.no_grad()
 def evaluate(module, batches, precision: str | None, device: torch.device) -> tuple[float, int]:
-    """(summed token loss, label tokens) of the loss module over the micro-batches (precision None:
-    no autocast, the backend casts itself)."""
+    """(summed loss, weight) of the loss module over the micro-batches: each is its own step
+    (precision None: no autocast, the backend casts itself)."""
     module.eval()
-    total, tokens = 0.0, 0
+    total, weight = 0.0, 0
     for batch in batches:
+        inputs = {
+            **batch.inputs,
+            **{f"{name}_in_step": torch.tensor(float(n)) for name, n in batch.counts.items() if name != batch.normalizer},
+        }
         with autocast(precision, device) if precision else contextlib.nullcontext():
-            loss = module(**to_device(batch.inputs, device), num_items_in_batch=batch.label_tokens)
-        total += float(loss) * batch.label_tokens
-        tokens += batch.label_tokens
+            loss = module(**to_device(inputs, device), num_items_in_batch=batch.weight)
+        total += float(loss) * batch.weight
+        weight += batch.weight
     module.train()
-    return total, tokens
+    return total, weight
 
 
 @torch.no_grad()

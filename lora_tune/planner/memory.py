@@ -37,7 +37,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from lora_tune import engines
+from lora_tune import engines, objectives
 from lora_tune.adapter import resolve_targets
 from lora_tune.engines.spec import ModelStates
 from lora_tune.loss import auto_chunk_size
@@ -65,6 +65,9 @@ class Setup:
     offload: str = "none"
     gpus: int = 1
     nodes: int = 1
+    objective: str = "sft"
+    sequences_per_unit: int = 1  # preference objectives score two sequences (chosen, rejected) per unit
+    reference: bool = False  # the objective scores the reference policy too (one no-grad forward per unit)
 
     @property
     def world(self) -> int:
@@ -72,8 +75,10 @@ class Setup:
 
     @property
     def tokens(self) -> int:
-        """Per micro-batch: packing fills rows to max_seq_len, the worst case without it."""
-        return self.micro_batch_size * self.max_seq_len
+        """Per micro-batch: packing fills rows to max_seq_len (per sequence of a unit), the worst case
+        without it. A pair's reference forward (per step, no gradient) runs one layer at a time and
+        peaks below training's backward, so it adds time, not memory."""
+        return self.micro_batch_size * self.max_seq_len * self.sequences_per_unit
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,7 @@ def setup_from(cfg) -> Setup:
     """The setup a training (or plan) configuration describes; world size from the plan's --gpus /
     --nodes, else --nproc, else the launcher's environment."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    objective = objectives.of(cfg)
     return Setup(
         precision=cfg.precision,
         rank=cfg.rank,
@@ -103,6 +109,9 @@ def setup_from(cfg) -> Setup:
         offload=cfg.offload,
         gpus=getattr(cfg, "gpus", None) or cfg.nproc or local,
         nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // local),
+        objective=objective.name,
+        sequences_per_unit=objective.sequences_per_unit,
+        reference=objective.reference,
     )
 
 

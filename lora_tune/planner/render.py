@@ -4,6 +4,7 @@ advice printed on an out-of-memory stop."""
 from __future__ import annotations
 
 from lora_tune import engines
+from lora_tune.planner import speed
 from lora_tune.planner.architecture import Architecture, unquantized_experts
 from lora_tune.planner.memory import GIB, Estimate, Setup
 
@@ -25,8 +26,9 @@ def gib(x: int) -> str:
 
 def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> str:
     backend = engines.BACKENDS[setup.backend].label(setup.zero)
+    unit = "" if setup.sequences_per_unit == 1 else f" x {setup.sequences_per_unit} sequences ({setup.objective})"
     rows = [
-        f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens, "
+        f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}, "
         f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.optim}, {backend}, offload {setup.offload}, "
         f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
         f"trainable (LoRA) parameters: {est.trainable_parameters:,}",
@@ -37,6 +39,13 @@ def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) ->
     rows.append("host:")
     for k, v in est.host.items():
         rows.append(f"  {k.removesuffix('_bytes'):<26} {gib(v)}")
+    if setup.reference:
+        share = speed.reference_share(setup)
+        rows.append(
+            f"reference ({setup.objective}): one no-grad forward per unit, without extra memory: precomputed in one pass before "
+            f"training (~{share:.0%} of an epoch's time, then cached) when the run covers its data once or more, else in every step "
+            f"(+{share:.0%} step time)"
+        )
     margin = gpu_bytes - est.per_device["total_bytes"]
     verdict = "fits" if margin >= 0 else "does NOT fit"
     rows.append(f"{verdict} in {gpu_bytes / GIB:.1f} GiB per GPU ({'spare' if margin >= 0 else 'short by'} {abs(margin) / GIB:.2f} GiB)")
@@ -54,6 +63,7 @@ def train_command(base: str, setup: Setup) -> str:
         f"--micro-batch-size {setup.micro_batch_size}",
         f"--max-seq-len {setup.max_seq_len}",
         f"--optim {setup.optim}",
+        *([f"--objective {setup.objective}"] if setup.objective != "sft" else []),
         "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing",
     ]
     if setup.activation_offload:

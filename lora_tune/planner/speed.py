@@ -25,3 +25,9 @@ def relative_speed(setup: Setup) -> float:
         * SLOWDOWN["activation_offload"][setup.activation_offload]
     )
     return setup.world * utilisation / cost
+
+
+def reference_share(setup: Setup) -> float:
+    """The reference policy's no-grad forward as a share of a training step's time: a step is a
+    forward and a backward of twice its cost, plus the recomputed forward under checkpointing."""
+    return 1 / (3 + setup.gradient_checkpointing)

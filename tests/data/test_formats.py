@@ -14,7 +14,7 @@ from lora_tune.errors import UserError
 from lora_tune.loss import IGNORE
 from lora_tune.model_loading import load_tokenizer
 
-from helpers import tokenize_one, trained_spans
+from helpers import tokenize_one, tokenize_rows, trained_spans
 
 
 def test_alpaca_labels_mask_exactly_the_prompt_and_keep_eos(tokenizer):
@@ -152,3 +152,100 @@ def test_detect_format(columns, expected):
 def test_unknown_columns_list_accepted_formats_and_the_mapping_fix():
     with pytest.raises(UserError, match="instruction \\+ output.*--data-columns"):
         detect(["question", "answer"], "d.jsonl")
+
+
+# --- preference pairs and KTO rows ---------------------------------------------------------------
+PAIR = {"prompt": "Pick a colour:", "chosen": " red", "rejected": " a green one"}
+
+
+def sequences_of(sample: Sample) -> list[tuple[list[int], list[int]]]:
+    bounds = [*sample.starts, len(sample.input_ids)]
+    return [(sample.input_ids[a:b], sample.labels[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_a_plain_text_pair_is_two_sequences_scored_on_their_answers_only(tokenizer):
+    sample, status = tokenize_one(tokenizer, "preference", PAIR, objective="dpo")
+    prompt = tokenizer(PAIR["prompt"])["input_ids"]
+    eos = tokenizer.eos_token_id
+    assert status == KEPT and len(sample.starts) == 2
+    for (ids, labels), side in zip(sequences_of(sample), ("chosen", "rejected")):
+        answer = tokenizer(PAIR[side], add_special_tokens=False)["input_ids"] + [eos]
+        assert ids == prompt + answer  # what TRL's DPOTrainer feeds: prompt, answer, EOS
+        assert labels == [IGNORE] * len(prompt) + answer
+
+
+CONVERSATION = [{"role": "user", "content": "Pick a colour."}]
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {
+            "prompt": CONVERSATION,
+            "chosen": [{"role": "assistant", "content": "Red."}],
+            "rejected": [{"role": "assistant", "content": "No."}],
+        },
+        # UltraFeedback: whole conversations, the shared first turns are the prompt
+        {
+            "chosen": CONVERSATION + [{"role": "assistant", "content": "Red."}],
+            "rejected": CONVERSATION + [{"role": "assistant", "content": "No."}],
+        },
+        # a string prompt beside message answers is one user turn
+        {
+            "prompt": "Pick a colour.",
+            "chosen": [{"role": "assistant", "content": "Red."}],
+            "rejected": [{"role": "assistant", "content": "No."}],
+        },
+    ],
+    ids=["prompt-column", "ultrafeedback", "string-prompt"],
+)
+def test_conversational_pairs_render_with_the_chat_template(tokenizer, record):
+    sample, status = tokenize_one(tokenizer, "preference", record, objective="dpo")
+    assert status == KEPT
+    eos = tokenizer.eos_token
+    for (ids, labels), answer in zip(sequences_of(sample), ("Red.", "No.")):
+        whole = CONVERSATION + [{"role": "assistant", "content": answer}]
+        assert tokenizer.decode(ids) == tokenizer.apply_chat_template(whole, tokenize=False)
+        assert trained_spans(tokenizer, Sample(ids, labels)) == [f"{answer}{eos}\n"]
+
+
+@pytest.mark.parametrize(
+    "columns,expected",
+    [
+        (["prompt", "chosen", "rejected"], "preference"),
+        (["chosen", "rejected", "score"], "preference"),
+        (["prompt", "completion", "label"], "unpaired_preference"),
+        (["prompt", "completion"], "prompt_completion"),
+    ],
+)
+def test_detect_preference_formats(columns, expected):
+    assert detect(columns, "d").NAME == expected
+
+
+@pytest.mark.parametrize(
+    "fmt,record,message",
+    [
+        ("preference", {"prompt": "Q", "chosen": "A", "rejected": ""}, r"row 1: 'rejected' is missing or empty"),
+        ("preference", {"prompt": None, "chosen": "A", "rejected": "B"}, r"row 1: plain-text pairs need a 'prompt' column"),
+        (
+            "preference",
+            {"chosen": [{"role": "assistant", "content": "A"}], "rejected": [{"role": "assistant", "content": "B"}]},
+            "share no prompt",
+        ),
+        ("unpaired_preference", {"prompt": "Q", "completion": "A", "label": "yes"}, r"row 1: 'label' must be true .* got 'yes'"),
+        ("unpaired_preference", {"prompt": "Q", "completion": "", "label": True}, r"row 1: 'completion' is missing or empty"),
+    ],
+)
+def test_bad_preference_rows_name_the_row(tokenizer, fmt, record, message):
+    with pytest.raises(UserError, match=message):
+        tokenize_one(tokenizer, fmt, record, objective="kto" if fmt == "unpaired_preference" else "dpo")
+
+
+def test_kto_rows_carry_their_label_and_a_kl_sequence_of_the_previous_rows_answer(tokenizer):
+    rows = [{"prompt": "Q1", "completion": " one", "label": True}, {"prompt": "Q2", "completion": " two", "label": False}]
+    (first, _), (second, _) = tokenize_rows(tokenizer, "unpaired_preference", rows, objective="kto")
+    assert (first.label, second.label) == (1, 0)
+    own, kl = sequences_of(second)
+    assert tokenizer.decode(own[0], skip_special_tokens=True) == "Q2 two"
+    assert tokenizer.decode(kl[0], skip_special_tokens=True) == "Q2 one"  # TRL's rotation: the previous row's answer
+    assert tokenizer.decode(sequences_of(first)[1][0], skip_special_tokens=True) == "Q1 two"  # the first takes the last's

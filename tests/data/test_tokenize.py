@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lora_tune.data import prepare_data
-from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, TRUNCATED
+from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, TRUNCATED
 
 from helpers import data_config, tokenize_one, write_jsonl
 
@@ -22,3 +22,17 @@ def test_fully_masked_samples_are_dropped_and_counted(tokenizer):
     assert (
         tokenize_one(tokenizer, "prompt_completion", {"prompt": "word " * 100, "completion": "x"}, max_seq_len=16)[1] == DROPPED_NO_LABELS
     )
+
+
+def test_bad_pairs_are_dropped_and_counted(tmp_path, tokenizer):
+    rows = [
+        {"prompt": "Q", "chosen": " same", "rejected": " same"},  # nothing to prefer
+        {"prompt": "word " * 100, "chosen": " a", "rejected": " b"},  # the prompt fills --max-seq-len
+        {"prompt": "Q", "chosen": " yes", "rejected": " no"},
+    ]
+    assert tokenize_one(tokenizer, "preference", rows[0], objective="dpo")[1] == DROPPED_SAME
+    assert tokenize_one(tokenizer, "preference", rows[1], objective="dpo", max_seq_len=16)[1] == DROPPED_NO_LABELS
+    assert tokenize_one(tokenizer, "preference", rows[1], objective="dpo", max_seq_len=16, long_samples="drop")[1] == DROPPED_LONG
+    prepared = prepare_data(data_config(write_jsonl(tmp_path / "p.jsonl", rows), max_seq_len=16, objective="dpo"), tokenizer)
+    assert (prepared.stats.dropped_same, prepared.stats.dropped_no_labels, len(prepared.train)) == (1, 1, 1)
+    assert "1 dropped with no trainable tokens, 1 pairs dropped with chosen == rejected" in prepared.stats.summary()

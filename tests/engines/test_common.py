@@ -46,7 +46,8 @@ def test_rank_state_round_trips_without_pickle_and_continues_bit_for_bit(name, t
 
     def fresh():
         torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(7))]  # an 8-bit-sized tensor and a small one
+        # Two 8-bit-sized tensors (bitsandbytes gives them one shared quantization map) and a small one.
+        params = [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(80, 64)), torch.nn.Parameter(torch.randn(7))]
         optimizer = common.build_optimizer(name, params, 1e-2, 0.01)
         return params, optimizer, common.build_scheduler(cfg(), optimizer, 6)
 

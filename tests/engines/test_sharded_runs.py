@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import re
 import time
 from pathlib import Path
@@ -24,7 +25,9 @@ from lora_tune.planner.memory import base_weight_bytes
 from helpers import (
     ALPACA,
     adapter_tensors,
+    assert_bit_identical,
     fast_train_args,
+    read_metrics,
     run_cli,
     run_cli_subprocess,
     run_jobs,
@@ -50,6 +53,16 @@ RESUMED = {
     "fsdp-8bit": dict(backend="fsdp", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
 }
 RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
+# DPO over packed pairs: the reference precomputed in a collective pass (ZeRO-3) or per step (FSDP2).
+PREFERENCE = {
+    "zero3-dpo": dict(zero=3, reference="precompute"),
+    "fsdp-dpo": dict(backend="fsdp", reference="per-step"),
+}
+PREFERENCE_ARGS = dict(objective="dpo", precision="fp32", optim="adamw", max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=1)
+PAIRS = [
+    {"prompt": f"Pick a fruit {i}:", "chosen": f" {a} is good", "rejected": f" {b} {b} is bad"}
+    for i, (a, b) in enumerate([("apple", "kiwi"), ("peach", "plum"), ("pear", "lemon"), ("grape", "mango")] * 4)
+]
 HOLDS = re.compile(r"(zero-3|fsdp): rank (\d) holds ([\d,]+) of ([\d,]+) base parameters.*\(after loading\)")
 HELD_BYTES = re.compile(
     r"(?:zero-3|fsdp): rank (\d) holds [\d,]+ of [\d,]+ base parameters \(([\d,]+) of ([\d,]+) bytes of base tensors\) on "
@@ -93,6 +106,13 @@ def jobs(tiny_model, tmp_path_factory):
         names.append(None)
         todo.append({"copy": [str(root / name / "checkpoint-2"), str(root / f"{name}-resumed")], "files": ["lora_tune_config.yaml"]})
         add(f"{name}-resumed", fast_train_args(tiny_model, data, root / f"{name}-resumed", **RUN_ARGS, **kw, resume=True))
+    pairs = write_jsonl(root / "pairs.jsonl", PAIRS)
+    for name, kw in PREFERENCE.items():
+        add(name, fast_train_args(tiny_model, pairs, root / name, **PREFERENCE_ARGS, **kw))
+        names.append(None)
+        kept = ["lora_tune_config.yaml", *(["reference_logps.safetensors"] if kw["reference"] == "precompute" else [])]
+        todo.append({"copy": [str(root / name / "checkpoint-2"), str(root / f"{name}-resumed")], "files": kept})
+        add(f"{name}-resumed", fast_train_args(tiny_model, pairs, root / f"{name}-resumed", **PREFERENCE_ARGS, **kw, resume=True))
     zero_config = root / "no-persistence.json"
     zero_config.write_text(json.dumps(NO_PERSISTENCE))
     for precision in ("8bit", "4bit"):
@@ -118,7 +138,7 @@ def jobs(tiny_model, tmp_path_factory):
         if name:
             err = "".join(p.read_text() for p in sorted(root.glob(f"{name}.err.rank*")))
             outcome[name] = (result["code"], err, root / name)
-    return {"root": root, "data": data, "runs": outcome}
+    return {"root": root, "data": data, "pairs": pairs, "runs": outcome}
 
 
 def run_of(jobs, name) -> tuple[Path, str]:
@@ -157,14 +177,19 @@ def test_every_accepted_cell_trains_the_one_device_loss(cell, jobs, tiny_model, 
 
 @pytest.mark.parametrize("name", list(RESUMED))
 def test_resume_from_a_checkpoint_is_bit_identical(name, jobs):
-    full, err = run_of(jobs, name)
+    expected = resumed_exactly(jobs, name)
+    assert all(t.abs().max() > 0 for k, t in expected.items() if "lora_B" in k)
+
+
+def resumed_exactly(jobs, name: str) -> dict:
+    """The adapter of run `name`, which its resume from step 2 (`name`-resumed) reproduced bit for bit."""
+    full, _ = run_of(jobs, name)
     resumed, resumed_err = run_of(jobs, f"{name}-resumed")
     assert "resumed from" in resumed_err
-    expected, got = adapter(full), adapter(resumed)
-    assert expected.keys() == got.keys() and len(expected) == 28
-    for k in expected:
-        assert torch.equal(expected[k], got[k]), k
-    assert all(t.abs().max() > 0 for k, t in expected.items() if "lora_B" in k)
+    expected = adapter(full)
+    assert len(expected) == 28
+    assert_bit_identical(expected, adapter(resumed))
+    return expected
 
 
 @pytest.mark.parametrize(
@@ -229,6 +254,27 @@ def test_fsdp_with_several_ranks_equals_one_process_bit_for_bit(jobs, tiny_model
     a, b = adapter(out), adapter(one)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name", list(PREFERENCE))
+def test_dpo_over_packed_pairs_on_two_ranks_is_one_process_and_resumes_exactly(name, jobs, tiny_model, tmp_path, capsys):
+    """Two ranks train what one process trains over the same micro-batches (losses, gradient norm,
+    log-probabilities; the first step's loss is ln 2), and a resume from step 2 ends bit for bit
+    where the uninterrupted run ends."""
+    out, err = run_of(jobs, name)
+    computed = "a forward with the adapter disabled in every step" if name.startswith("fsdp") else "reference log-probabilities of 16 + 0"
+    assert computed in err
+    one = tmp_path / "one"
+    args = {**PREFERENCE_ARGS, "grad_accum": 2, **PREFERENCE[name]}
+    code, _, one_err = run_cli(
+        fast_train_args(tiny_model, jobs["pairs"], one, **{k: v for k, v in args.items() if k not in ("zero", "backend")}), capsys
+    )
+    assert code == 0, one_err
+    two_ranks, one_process = ([r for r in read_metrics(o) if "loss" in r] for o in (out, one))
+    assert two_ranks[0]["loss"] == pytest.approx(math.log(2), abs=1e-7)
+    for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins", "tokens_seen"):
+        assert [r[key] for r in two_ranks] == pytest.approx([r[key] for r in one_process], rel=1e-5, abs=1e-6), key
+    resumed_exactly(jobs, name)
 
 
 @pytest.mark.parametrize("name", ["zero2-8bit", "zero3-8bit-offload", "zero3-4bit-offload", "fsdp-bf16", "fsdp-4bit-offload", "fsdp-8bit"])

@@ -1,15 +1,21 @@
 """Data formats, one small module each: `COLUMNS` (how a source is recognised, after column
-mapping) and `pieces(record, where, chat)`, the record as (text, trainable) pieces in order; or,
-for already tokenized data, `tokens(record, where)`. Detection tries them in `ORDER`."""
+mapping), `KIND` (what an objective trains on: `sft` rows, preference `pairs`, `unpaired` rows marked
+desirable or not; `sft` when absent), and the record as (text, trainable) pieces in order:
+`pieces(record, where, chat)` for one sequence, `sequences(...)` for several (a pair's two); or, for
+already tokenized data, `tokens(record, where, vocab)`. Detection tries them in `ORDER`."""
 
 from __future__ import annotations
 
-from lora_tune.data.formats import alpaca, messages, pretokenized, prompt_completion, sharegpt, text
+from lora_tune.data.formats import alpaca, messages, preference, pretokenized, prompt_completion, sharegpt, text, unpaired
 from lora_tune.errors import UserError
 
-ORDER = (pretokenized, messages, sharegpt, alpaca, prompt_completion, text)
+ORDER = (pretokenized, preference, unpaired, messages, sharegpt, alpaca, prompt_completion, text)
 ACCEPTED = " | ".join(f"{' + '.join(f.COLUMNS)} ({f.NAME})" for f in ORDER)
 BY_NAME = {f.NAME: f for f in ORDER}
+
+
+def kind(fmt) -> str:
+    return getattr(fmt, "KIND", "sft")
 
 
 def detect(columns, source: str, option: str = "--data"):
