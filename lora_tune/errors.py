@@ -3,6 +3,10 @@ use": `error: ...`, exit code 2) and `TrainingStopped` (a run that ended early b
 own exit code). Anything else is a bug and keeps its traceback."""
 
 import difflib
+import os
+import signal
+import threading
+from contextlib import contextmanager
 
 
 class UserError(Exception):
@@ -36,3 +40,28 @@ class TrainingStopped(Exception):
         super().__init__(message)
         self.exit_code = exit_code
         self.label = label
+
+
+@contextmanager
+def sigterm_stops(doing: str, outcome: str):
+    """While the block runs, SIGTERM raises TrainingStopped (exit 143: "stopped by SIGTERM while
+    DOING; OUTCOME") instead of ending the process on the spot, so the block's `finally` clauses
+    remove what it had half written. Only in the main thread of the process that entered it
+    (forked workers keep the default), and never where SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    owner = os.getpid()
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        if os.getpid() != owner:  # a forked worker (datasets' tokenizing pool) being terminated: die as usual
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise TrainingStopped(f"stopped by SIGTERM while {doing}; {outcome}", 143)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -187,6 +187,13 @@ BAD_INPUT = {
         lambda c: c.train(write_jsonl(c.tmp / "ids.jsonl", [{"input_ids": [1, 5, 70000]}]), max_steps=1),
         "token id 70000 is outside the tokenizer's vocabulary",
     ),
+    "pretokenized labels out of vocabulary": (
+        lambda c: c.train(
+            write_jsonl(c.tmp / "ids.jsonl", [{"input_ids": [1, 5, 6, 7]}, {"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 70000, 7]}]),
+            max_steps=1,
+        ),
+        "ids.jsonl: row 2: label 70000 is neither a token id of the tokenizer's vocabulary",
+    ),
     "flash attention on cpu": (
         lambda c: c.train(attn_implementation="flash_attention_2"),
         "--attn-implementation flash_attention_2 needs a CUDA GPU",

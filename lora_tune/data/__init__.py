@@ -10,11 +10,14 @@ the row and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
 import torch
@@ -101,7 +104,18 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
     key = cache.key_of(parts)
 
     def build(workdir):
-        raw = sources.load(source, files)
+        """Tokenize the source into `workdir` (None: in memory); its raw Arrow copy lives in a
+        folder of this build only, so what is tokenized is what was hashed."""
+        raw_dir = tempfile.TemporaryDirectory(prefix="lora-tune-raw-") if workdir is None else contextlib.nullcontext(workdir / "raw")
+        with raw_dir as folder:
+            return tokenize_source(Path(folder), workdir)
+
+    def tokenize_source(raw_dir: Path, workdir):
+        raw = sources.load(source, files, raw_dir)
+        if files is not None and sources.content_hash(source, files) != parts["data"]:
+            raise UserError(
+                f"{source.option}: {source.label} changed while it was being read; run again once it is no longer being written"
+            )
         fmt = formats.detect(raw.column_names, source.label, source.option)
         fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option)
         ints = datasets.Sequence(datasets.Value("int32"))
@@ -130,14 +144,14 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
         }
         dropped = {DROPPED_LONG, DROPPED_NO_LABELS}
         if any(s in dropped for s in status):
-            ds = ds.select([i for i, s in enumerate(status) if s not in dropped])
+            ds = ds.select([i for i, s in enumerate(status) if s not in dropped], keep_in_memory=workdir is None)
         ds = ds.remove_columns(["status"])
         stats["tokens"] = int(sum(ds["length"]))
         return ds, {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label}
 
     root = cache.cache_root(cfg) if getattr(cfg, "data_cache", True) else None
     try:
-        return cache.load_or_build(root, key, build)
+        return cache.load_or_build(root, key, build, source.label)
     except UserError:
         raise
     except Exception as e:  # an error raised in a tokenizing worker process arrives wrapped
