@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import socket
@@ -197,3 +198,21 @@ def tmpfs(path: Path, size: str = "4m", read_only: bool = False, fill=None):
         gc.collect()  # drop any file handle a failed run's objects still hold
         subprocess.run(["umount", str(path)], check=False, capture_output=True)
         subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def tree_digest(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, str]:
+    """Every entry under `root` (but those under `skip`): a file by its bytes' hash and mode, a link
+    by its target (never followed), a folder by its mode. Equal digests: not a byte changed."""
+    skip = tuple(p.resolve() if not p.is_symlink() else p for p in skip)
+    digest = {}
+    for path in sorted(root.rglob("*")):
+        if any(path == s or s in path.parents for s in skip):
+            continue
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            digest[rel] = f"link -> {os.readlink(path)}"
+        elif path.is_dir():
+            digest[rel] = f"dir {oct(path.stat().st_mode)}"
+        else:
+            digest[rel] = f"{hashlib.sha256(path.read_bytes()).hexdigest()} {oct(path.stat().st_mode)}"
+    return digest
