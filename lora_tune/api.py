@@ -33,6 +33,7 @@ from lora_tune import distributed, engines, launcher, merger, planner, recipe, r
 from lora_tune.aliases import resolve_base  # noqa: E402
 from lora_tune.config import MergeConfig, PlanConfig, ReportConfig, TrainConfig, build_config, read_yaml  # noqa: E402
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
+from lora_tune.metrics import read_records  # noqa: E402
 from lora_tune.model_loading import WEIGHT_DTYPE  # noqa: E402
 
 
@@ -85,7 +86,7 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
 
 
 def _result(out: Path) -> TrainResult:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, _ = read_records(out / "metrics.jsonl")  # a line torn by a kill is no record
     losses = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
 

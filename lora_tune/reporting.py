@@ -4,56 +4,78 @@ optional extra (`pip install "lora-tune[report]"`)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
+import os
 from pathlib import Path
 
 from lora_tune.errors import UserError
+from lora_tune.metrics import read_records
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; lines that are not records (a line torn by a killed
+    process, garbage) are skipped, and said."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"report: {run_dir} has no metrics.jsonl; point it at a folder written by `lora-tune train`")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"report: {path} line {n} is not valid JSON") from None
+    try:
+        rows, bad = read_records(path)
+    except OSError as e:
+        raise UserError(f"report: {path} is unreadable ({e.strerror or e})") from None
+    if bad:
+        lines = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        print(f"note: skipped {len(bad)} unreadable line(s) of {path} (line {lines})")
     if not any("loss" in r for r in rows):
-        raise UserError(f"report: {path} holds no training steps yet")
+        unreadable = f" ({len(bad)} unreadable line(s) skipped)" if bad else ""
+        raise UserError(f"report: {path} holds no training steps yet{unreadable}")
     return rows
 
 
 def number(v) -> float:
-    return float(v) if isinstance(v, (int, float)) else math.nan  # "nan"/"inf" are logged as strings
+    if isinstance(v, bool):
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    try:
+        return float(v)  # "nan"/"inf" are logged as strings
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def summary(rows: list[dict]) -> str:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    speeds = [number(r["tokens_per_s"]) for r in steps[1:] or steps]  # the first step includes warm-up
+    speeds = [number(r.get("tokens_per_s")) for r in steps[1:] or steps]  # the first step includes warm-up
+    speeds = [v for v in speeds if math.isfinite(v)] or [math.nan]
+    peaks = [v for v in (number(r.get("peak_memory_bytes")) for r in steps) if math.isfinite(v)] or [math.nan]
+    tokens = number(steps[-1].get("tokens_seen", 0))
     lines = [
-        f"steps: {steps[-1]['step']}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
-        f"tokens: {steps[-1].get('tokens_seen', 0):,}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; "
-        f"peak memory {max(r.get('peak_memory_bytes', 0) for r in steps) / 2**30:.2f} GiB",
+        f"steps: {steps[-1].get('step')}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
+        f"tokens: {tokens:,.0f}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; peak memory {max(peaks) / 2**30:.2f} GiB",
     ]
     if evals:
-        best = min(evals, key=lambda r: number(r["eval_loss"]))
+        best = min(evals, key=lambda r: number(r["eval_loss"]) if math.isfinite(number(r["eval_loss"])) else math.inf)
         lines.append(
-            f"eval loss: last {number(evals[-1]['eval_loss']):.4f} (perplexity {number(evals[-1]['eval_ppl']):.2f}); "
-            f"best {number(best['eval_loss']):.4f} at step {best['step']}"
+            f"eval loss: last {number(evals[-1]['eval_loss']):.4f} (perplexity {number(evals[-1].get('eval_ppl')):.2f}); "
+            f"best {number(best['eval_loss']):.4f} at step {best.get('step')}"
         )
-    skipped = sum(1 for r in steps if r.get("skipped"))
+    skipped = sum(1 for r in steps if r.get("skipped") is True)
     if skipped:
         lines.append(f"skipped steps (NaN/inf): {skipped}")
-    samples = [r for r in rows if "samples" in r]
+    samples = [r for r in rows if sample_of(r)]
     if samples:
-        s = samples[-1]["samples"][0]
-        lines.append(f"last sample (step {samples[-1]['step']}): {s['prompt'][-60:]!r} -> {s['completion'][:160]!r}")
+        s = sample_of(samples[-1])
+        lines.append(f"last sample (step {samples[-1].get('step')}): {s['prompt'][-60:]!r} -> {s['completion'][:160]!r}")
     return "\n".join(lines)
+
+
+def sample_of(record: dict) -> dict | None:
+    """The first sample generation of a record, when it has one of the shape train writes."""
+    samples = record.get("samples")
+    first = samples[0] if isinstance(samples, list) and samples else None
+    ok = isinstance(first, dict) and all(isinstance(first.get(k), str) for k in ("prompt", "completion"))
+    return first if ok else None
 
 
 PANELS = {
@@ -83,13 +105,13 @@ def draw(axes: dict, rows: list[dict]) -> None:
     panel also shows the eval loss."""
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    x = [r["step"] for r in steps]
+    x = [number(r.get("step")) for r in steps]
     for key, ax in axes.items():
         title, scale = PANELS[key]
         ax.clear()
         ax.plot(x, [number(r.get(key)) / scale for r in steps], label="train loss" if key == "loss" else None)
         if key == "loss" and evals:
-            ax.plot([r["step"] for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
+            ax.plot([number(r.get("step")) for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
         if key == "loss":
             ax.legend()
         ax.set_title(title)
@@ -98,18 +120,41 @@ def draw(axes: dict, rows: list[dict]) -> None:
 
 
 def plot(rows: list[dict], png: Path) -> None:
+    """The figure, written to a temporary file beside `png` and renamed onto it: a failed write
+    leaves nothing half-written, and a link at `png` is replaced, never written through."""
     plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     draw(dict(zip(PANELS, axes.flat)), rows)
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    tmp = png.with_name(f".{png.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=100, format=png.suffix[1:].lower())
+        os.replace(tmp, png)
+    except (OSError, ValueError) as e:
+        raise UserError(f"report: could not write {png} ({e.strerror if isinstance(e, OSError) else e})") from None
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):  # e.g. a read-only folder, where nothing was written
+            tmp.unlink(missing_ok=True)
+
+
+def check_output(png: Path) -> None:
+    """A plot file we can write: not a folder or a link, in an existing folder, of a kind matplotlib writes."""
+    if png.is_dir() and not png.is_symlink():
+        raise UserError(f"report: --output {png} is a folder; give a file name such as {png / 'report.png'}")
+    if png.is_symlink():
+        raise UserError(f"report: --output {png} is a symbolic link; lora-tune never writes through links: give another file name")
+    if not png.parent.is_dir():
+        raise UserError(f"report: --output {png}: the folder {png.parent} does not exist")
+    if png.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
+        raise UserError(f"report: --output {png}: give a .png, .pdf, .svg or .jpg file name")
 
 
 def run(cfg) -> Path:
     run_dir = Path(cfg.run_dir).expanduser()
-    rows = read_metrics(run_dir)
     png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
+    rows = read_metrics(run_dir)
+    check_output(png)
     plot(rows, png)
     print(summary(rows))
     print(f"plot: {png}")
