@@ -84,6 +84,11 @@ class Case:
         path.write_text(text)
         return path
 
+    def binary(self, name: str, data: bytes = bytes(range(256)) * 8) -> Path:
+        path = self.tmp / name
+        path.write_bytes(data)
+        return path
+
     def folder(self, name: str) -> Path:
         path = self.tmp / name
         path.mkdir()
@@ -156,6 +161,18 @@ BAD_INPUT = {
             c.out,
         ],
         "not valid YAML",
+    ),
+    "binary config file": (
+        lambda c: ["train", "--config", c.binary("bin.yaml"), "--base", c.model, "--data", c.good, "--output-dir", c.out],
+        "bin.yaml is not text (not UTF-8)",
+    ),
+    "config file is a folder": (
+        lambda c: ["train", "--config", c.folder("configs"), "--base", c.model, "--data", c.good, "--output-dir", c.out],
+        "configs is a folder; pass a YAML file",
+    ),
+    "output dir under a file": (
+        lambda c: fast_train_args(c.model, c.good, c.file("a-file", "x") / "run"),
+        "would be inside",
     ),
     "missing config file": (
         lambda c: ["train", "--config", c.tmp / "none.yaml", "--base", c.model, "--data", c.good, "--output-dir", c.out],

@@ -65,9 +65,15 @@ def test_plan_takes_every_train_option_without_data_or_output():
         build_config(PlanConfig, {}, {"base": "llama-8b", "gpus": 0})
 
 
-@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("100MiB", 100 * 2**20), ("80 GiB", 80 * 2**30), (1234, 1234)])
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 10**9), ("100MiB", 100 * 2**20), ("80 GiB", 80 * 2**30), ("1234B", 1234)])
 def test_sizes_parse_with_their_units(text, size):
     assert parse_size(text, "--max-shard-size") == size
+
+
+@pytest.mark.parametrize("text", ["5", "24", " 2.5 ", 1234])
+def test_a_bare_number_is_refused_never_read_as_bytes(text):
+    with pytest.raises(UserError, match=r"--max-shard-size: .* has no unit; write e.g. [0-9.]+GB or [0-9.]+GiB"):
+        parse_size(text, "--max-shard-size")
 
 
 @pytest.mark.parametrize("text", ["huge", "-5GB", "5 parsecs"])
