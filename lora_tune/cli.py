@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except TrainingStopped as stop:  # a signal during the data stage or a merge: stopped cleanly
+        print(f"{stop.label}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
