@@ -204,6 +204,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         logging.getLogger("lora_tune").setLevel(logging.WARNING)
         resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
         return launcher.launch_job(cfg, without_flags(argv, "--nproc"), resume)
+    if os.environ.get(launcher.LAUNCHER_ENV, "").isdigit():  # a rank of our --nproc launcher: stop when it dies
+        distributed.stop_with_parent(int(os.environ[launcher.LAUNCHER_ENV]))
     try:
         run(cfg)
     except TrainingStopped as stop:
