@@ -224,9 +224,25 @@ def write_json(path: Path, data) -> None:
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise UserError(f"{path} is unreadable or corrupt ({e}); delete that checkpoint to resume from an older one") from None
+
+
+def read_trainer_state(path: Path) -> dict:
+    """trainer_state.json, checked to be what `write` saved: the TrainerState fields as numbers, the
+    recorded settings as a mapping. Anything else is named in one line."""
+    state = read_json(path)
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = isinstance(state, dict) and all(whole(state.get(k)) for k in ("step", "tokens_seen", "bad_steps_in_a_row"))
+    ok = ok and (state.get("best_eval_loss") is None or isinstance(state["best_eval_loss"], (int, float)))
+    ok = ok and isinstance(state.get("math_config", {}), dict) and whole(state.get("world_size", 1))
+    if not ok:
+        raise UserError(f"{path} is not a trainer state lora-tune wrote; delete that checkpoint to resume from an older one")
+    return state
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -354,11 +370,11 @@ def lock_holder(output_dir: Path) -> str | None:
     fd = open_lock_file(path, create=False)
     if fd is None:
         return None
-    with os.fdopen(fd) as f:
+    with os.fdopen(fd, "rb") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return f.read().strip() or "another process"
+            return f.read(200).decode("utf-8", errors="replace").strip() or "another process"
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
 
@@ -378,26 +394,26 @@ class OutputLock:
         if os.environ.get(LOCK_ENV) == str(self.path.resolve()):
             return self  # our launcher holds it for the whole job
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = os.fdopen(open_lock_file(self.path, create=True), "r+")
+        f = os.fdopen(open_lock_file(self.path, create=True), "rb+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            holder = f.read().strip() or "another process"
+            holder = f.read(200).decode("utf-8", errors="replace").strip() or "another process"
             f.close()
             raise UserError(
                 f"--output-dir: {self.path.parent} is being written by another lora-tune run ({holder}); wait for it to end or "
                 "choose another --output-dir"
             ) from None
         f.seek(0)
-        previous = f.read().strip()
+        previous = f.read(200).decode("utf-8", errors="replace").strip()  # a note; a garbage one is taken over all the same
         if previous:
             logging.getLogger("lora_tune").info(
                 "took over the lock of %s, left by a run that is no longer running (%s)", self.path.parent, previous
             )
         f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
         f.flush()
         self.file = f
         return self

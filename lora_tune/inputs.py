@@ -133,6 +133,9 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
             f"--output-dir: {out / links[0]} is a symbolic link; lora-tune never writes through links in its output folder (they "
             "could point at anyone's files): remove it, or choose another --output-dir"
         )
+    odd = [name for name in (*RUN_FILES, *ADAPTER_FILES, ckpt.LOCK_NAME) if (out / name).exists() and not (out / name).is_file()]
+    if odd:
+        raise UserError(f"--output-dir: {out / odd[0]} is not a file (a folder?); lora-tune writes a file there: remove it")
     holder = ckpt.lock_holder(out)
     if holder:
         raise UserError(
@@ -147,7 +150,7 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
         if all((out / f).is_file() for f in ADAPTER_FILES):
             raise UserError(FINISHED_RUN.format(out=out))
         ckpt.remove_leftovers(out)
-        if holds_run:
+        if holds_run or (out / ckpt.LOCK_NAME).is_file():  # the lock alone: killed while loading, before writing anything
             # Killed before its first checkpoint: there is nothing to lose, so start over.
             log.warning("no complete checkpoint in %s (%d incomplete ignored); starting from step 0", out, len(incomplete))
             return out, None
@@ -203,7 +206,7 @@ def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir
     """The checkpoint's trainer state, when the math it was trained with is the math asked for now:
     the same settings, data content, base weights (by content: a base moved or renamed is the same
     base; one changed in place is not) and world size."""
-    state = ckpt.read_json(checkpoint_dir / "trainer_state.json")
+    state = ckpt.read_trainer_state(checkpoint_dir / "trainer_state.json")
     saved = state.get("math_config", {})
     now = math_config(cfg)
     differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]

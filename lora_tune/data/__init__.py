@@ -155,6 +155,9 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
     except UserError:
         raise
     except Exception as e:  # an error raised in a tokenizing worker process arrives wrapped
+        stopped = sources.stop_of(e)
+        if stopped is not None:
+            raise stopped from None
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__

@@ -18,7 +18,7 @@ from pathlib import Path
 import datasets
 
 from lora_tune.aliases import check_hub_reachable
-from lora_tune.errors import UserError, first_line
+from lora_tune.errors import TrainingStopped, UserError, first_line
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -132,6 +132,15 @@ def content_hash(source: Source, files: list[Path] | None) -> str:
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
+def stop_of(error: BaseException | None) -> TrainingStopped | None:
+    """The TrainingStopped (SIGTERM) behind an error the libraries wrapped, if that is what it is."""
+    while error is not None:
+        if isinstance(error, TrainingStopped):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def no_room(error: BaseException | None) -> OSError | None:
     """The 'disk full' (or quota) OSError behind an error, however deeply the libraries wrapped it."""
     while error is not None:
@@ -156,6 +165,9 @@ def load(source: Source, files: list[Path] | None, raw_dir: Path | None = None):
     except PermissionError:
         raise UserError(f"{source.option}: {source.path} is not readable (permission denied)") from None
     except Exception as e:  # datasets raises many types for a bad file or an unreachable hub
+        stopped = stop_of(e)
+        if stopped is not None:
+            raise stopped from None
         full = no_room(e)
         if full is not None:
             raise full from None
