@@ -8,6 +8,10 @@ import signal
 import threading
 from contextlib import contextmanager
 
+# Every character str.splitlines() breaks on, written as its escape: a quoted key or value can't
+# turn the one `error:` line into two.
+ESCAPED_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
+
 
 class UserError(Exception):
     """Bad input: the message names the culprit and how to fix it.
@@ -16,7 +20,7 @@ class UserError(Exception):
     """
 
     def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
+        super().__init__(message.translate(ESCAPED_BREAKS))  # one line, whatever the input it quotes holds
         self.exit_code = exit_code
 
 

@@ -16,15 +16,17 @@ import json
 import math
 import os
 import tempfile
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import pyarrow
 import torch
 
 from lora_tune.data import cache, formats, sources
 from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, TRUNCATED, Tokenize
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
 
@@ -163,7 +165,21 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
             cause = cause.__cause__ or cause.__context__
             if isinstance(cause, UserError):
                 raise UserError(str(cause), cause.exit_code) from None
+        if raised_reading_rows(e):
+            raise UserError(
+                f"{source.option}: the rows of {source.label} can't be read as columns ({first_line(e)[:160]}); give each column "
+                "one type in every row (e.g. text as strings, messages as lists of {role, content})"
+            ) from None
         raise
+
+
+def raised_reading_rows(error: BaseException) -> bool:
+    """True for an error that datasets or pyarrow raised turning the source's Arrow rows into Python
+    (odd nested keys, mixed types): the data's fault, not ours."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1].filename if frames else ""
+    library = f"{os.sep}datasets{os.sep}" in where or f"{os.sep}pyarrow{os.sep}" in where or where.startswith("pyarrow")
+    return library and isinstance(error, (ValueError, KeyError, TypeError, pyarrow.ArrowException))
 
 
 def mix(datasets_: list, weights: list[float | None], seed: int) -> tuple[list[tuple[int, int]], list[int]]:
