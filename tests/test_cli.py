@@ -5,6 +5,7 @@ loaded, with nothing written to disk."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,14 @@ class Case:
         path = self.tmp / name
         path.write_bytes(data)
         return path
+
+    def model_with(self, name: str, change) -> Path:
+        """A copy of the tiny model (in tmp/base) with one file's bytes changed."""
+        base = self.tmp / "base"
+        if not base.exists():
+            shutil.copytree(self.model, base)
+        (base / name).write_bytes(change((base / name).read_bytes()))
+        return base
 
     def folder(self, name: str) -> Path:
         path = self.tmp / name
@@ -173,6 +182,23 @@ BAD_INPUT = {
     "output dir under a file": (
         lambda c: fast_train_args(c.model, c.good, c.file("a-file", "x") / "run"),
         "would be inside",
+    ),
+    "truncated base weights": (
+        lambda c: fast_train_args(c.model_with("model.safetensors", lambda b: b[: len(b) // 2]), c.good, c.out),
+        "model.safetensors is truncated",
+    ),
+    "garbage base weights": (
+        lambda c: fast_train_args(c.model_with("model.safetensors", lambda b: bytes(255 - x for x in b)), c.good, c.out),
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "output dir is the base": (
+        lambda c: fast_train_args(c.model_with("config.json", bytes), c.good, c.tmp / "base"),
+        "is the base model's folder",
+    ),
+    "binary eval prompts": (lambda c: c.train(eval_prompts=c.binary("p.txt")), "--eval-prompts: "),
+    "eval prompt row not an object": (
+        lambda c: c.train(eval_prompts=c.file("p.jsonl", '{"prompt": "hi"}\n["hi"]\n')),
+        "line 2 is a JSON list",
     ),
     "missing config file": (
         lambda c: ["train", "--config", c.tmp / "none.yaml", "--base", c.model, "--data", c.good, "--output-dir", c.out],
