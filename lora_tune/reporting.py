@@ -9,7 +9,7 @@ import math
 import os
 from pathlib import Path
 
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
 from lora_tune.metrics import read_records
 
 
@@ -130,8 +130,10 @@ def plot(rows: list[dict], png: Path) -> None:
     try:
         fig.savefig(tmp, dpi=100, format=png.suffix[1:].lower())
         os.replace(tmp, png)
-    except (OSError, ValueError) as e:
-        raise UserError(f"report: could not write {png} ({e.strerror if isinstance(e, OSError) else e})") from None
+    except OSError as e:
+        raise UserError(f"report: could not write {png} ({e.strerror or e})") from None
+    except ValueError as e:  # a kind of file matplotlib does not write
+        raise UserError(f"report: --output {png}: {first_line(e)}; use .png, .pdf or .svg") from None
     finally:
         plt.close(fig)
         with contextlib.suppress(OSError):  # e.g. a read-only folder, where nothing was written
@@ -146,8 +148,8 @@ def check_output(png: Path) -> None:
         raise UserError(f"report: --output {png} is a symbolic link; lora-tune never writes through links: give another file name")
     if not png.parent.is_dir():
         raise UserError(f"report: --output {png}: the folder {png.parent} does not exist")
-    if png.suffix.lower() not in (".png", ".pdf", ".svg", ".jpg", ".jpeg"):
-        raise UserError(f"report: --output {png}: give a .png, .pdf, .svg or .jpg file name")
+    if not png.suffix:
+        raise UserError(f"report: --output {png}: give a file name with its kind, such as report.png or report.pdf")
 
 
 def run(cfg) -> Path:
