@@ -135,8 +135,11 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
     dtype_ = WEIGHT_DTYPE.get(dtype, torch.bfloat16)
     adapter_config = folder / "adapter_config.json"
     if adapter_config.is_file():
-        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-        if not base:
+        try:
+            base = json.loads(adapter_config.read_bytes()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError) as e:  # unreadable, not JSON, not an object
+            raise UserError(f"{adapter_config} is unreadable or not an adapter config ({type(e).__name__}); re-save the adapter") from None
+        if not base or not isinstance(base, str):
             raise UserError(f"{adapter_config} records no base model")
         model = AutoModelForCausalLM.from_pretrained(resolve_base(base), dtype=dtype_, trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(model, str(folder))
