@@ -194,6 +194,9 @@ def base_fingerprint(cfg: TrainConfig, base_path: str) -> str | None:
         if not isinstance(cached, str):
             return None
         folder = Path(cached).parent
+        files = shards.shard_files(folder)
+        if files is None or not all(p.is_file() for p in files):
+            return None  # not all downloaded yet: from_pretrained fetches the rest
     if shards.shard_files(folder) is None:
         bins = sorted(folder.glob("*.bin"))
         if not bins or not cfg.allow_bin:
