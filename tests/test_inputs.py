@@ -164,3 +164,14 @@ def test_a_read_only_output_folder_is_one_line_before_loading(tiny_model, data_f
     with tmpfs(tmp_path / "ro", size="1m", read_only=True) as disk:
         code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], disk / "run", max_steps=1), capsys)
     assert code == 2 and "is on a read-only file system; choose another --output-dir" in single_error_line(err)
+
+
+def test_a_hub_base_is_fingerprinted_from_its_local_snapshot(tiny_model, tmp_path, monkeypatch):
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_model, snapshot)
+    cfg = TrainConfig(base="org/tiny", data="d.jsonl", output_dir="o")
+    monkeypatch.setattr(inputs, "try_to_load_from_cache", lambda repo, name: str(snapshot / name) if repo == "org/tiny" else None)
+    assert inputs.base_fingerprint(cfg, "org/tiny") == inputs.base_fingerprint(cfg, str(tiny_model))
+    assert inputs.base_fingerprint(cfg, "org/elsewhere") is None  # not in the cache: from_pretrained downloads it
+    (snapshot / "model.safetensors").unlink()  # not all downloaded yet
+    assert inputs.base_fingerprint(cfg, "org/tiny") is None
