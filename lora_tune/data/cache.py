@@ -114,9 +114,9 @@ def read_entry(folder: Path):
 
 
 def unusable(error: OSError) -> bool:
-    """A cache location that can't take files: read-only, no permission, full, over quota, or a lock
-    file that is a symbolic link (never opened through)."""
-    return error.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ELOOP)
+    """A cache location that can't take files: read-only, no permission, full, over quota, a file
+    where the folder should be, or a lock file that is a symbolic link (never opened through)."""
+    return error.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ELOOP, errno.ENOTDIR, errno.EEXIST)
 
 
 _said_in_memory: set[str] = set()

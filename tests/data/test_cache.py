@@ -137,6 +137,15 @@ def test_a_cache_folder_that_cant_be_written_means_tokenizing_in_memory_said_onc
         assert not list(disk.rglob(".*tmp*"))
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_cache_folder_that_is_a_file_means_tokenizing_in_memory(where, tmp_path, tokenizer, capsys):
+    (tmp_path / "file").write_text("mine")
+    cache = tmp_path / "file" if where == "a file" else tmp_path / "file" / "cache"
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(4)])
+    assert len(prepare_data(data_config(path, data_cache_dir=str(cache)), tokenizer).train) == 4
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_the_unfinished_build_of_a_killed_process_is_removed(tmp_path, tokenizer):
     cache = tmp_path / "cache"
     cache.mkdir()
