@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from lora_tune.checkpoint import fsync_path, write_safetensors
+from lora_tune.checkpoint import fsync_path, remove_tree, write_safetensors
 from lora_tune.errors import UserError
 
 # Routers pick experts; adapting them changes which experts see a token, which LoRA recipes for MoE
@@ -234,7 +234,7 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     """Write adapter_config.json + adapter_model.safetensors into out_dir (peft's layout).
 
     Each file is written to a temporary name and renamed, so a crash leaves the old file or the
-    new one, never half of one.
+    new one, never half of one, and a failed write leaves no temporary file.
     """
 
     out = Path(out_dir)
@@ -243,14 +243,17 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     state = trainable_state_dict(peft_model) if state is None else state
     check_adapter_state(state, lora_cfg)
     tmp_weights = out / f".adapter_model.safetensors.tmp-{os.getpid()}"
-    write_safetensors(tmp_weights, state, metadata={"format": "pt"})
-    fsync_path(tmp_weights)
     tmp_config_dir = out / f".adapter_config.tmp-{os.getpid()}"
-    lora_cfg.save_pretrained(str(tmp_config_dir))
-    fsync_path(tmp_config_dir / "adapter_config.json")
-    os.replace(tmp_weights, out / "adapter_model.safetensors")
-    os.replace(tmp_config_dir / "adapter_config.json", out / "adapter_config.json")
-    tmp_config_dir.rmdir()
+    try:
+        write_safetensors(tmp_weights, state, metadata={"format": "pt"})
+        fsync_path(tmp_weights)
+        lora_cfg.save_pretrained(str(tmp_config_dir))
+        fsync_path(tmp_config_dir / "adapter_config.json")
+        os.replace(tmp_weights, out / "adapter_model.safetensors")
+        os.replace(tmp_config_dir / "adapter_config.json", out / "adapter_config.json")
+    finally:  # a failed write (full disk) leaves no temporary file behind; a kill's are removed on --resume
+        remove_tree(tmp_weights)
+        remove_tree(tmp_config_dir)
 
 
 def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:

@@ -43,6 +43,7 @@ from lora_tune.config import (  # noqa: E402
     read_yaml,
 )
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
+from lora_tune.metrics import read_records  # noqa: E402
 from lora_tune.model_loading import WEIGHT_DTYPE  # noqa: E402
 
 
@@ -95,7 +96,7 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
 
 
 def _result(out: Path) -> TrainResult:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows, _ = read_records(out / "metrics.jsonl")  # a line torn by a kill is no record
     losses = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
 
@@ -145,8 +146,11 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
     hf_logging.disable_progress_bar()  # a bar per load in a notebook says nothing
     adapter_config = folder / "adapter_config.json"
     if adapter_config.is_file():
-        base = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
-        if not base:
+        try:
+            base = json.loads(adapter_config.read_bytes()).get("base_model_name_or_path")
+        except (OSError, ValueError, AttributeError) as e:  # unreadable, not JSON, not an object
+            raise UserError(f"{adapter_config} is unreadable or not an adapter config ({type(e).__name__}); re-save the adapter") from None
+        if not base or not isinstance(base, str):
             raise UserError(f"{adapter_config} records no base model")
         model = AutoModelForCausalLM.from_pretrained(resolve_base(base), dtype=dtype_, trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(model, str(folder))

@@ -260,6 +260,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         logging.getLogger("lora_tune").setLevel(logging.WARNING)
         resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
         return launcher.launch_job(cfg, without_flags(argv, "--nproc"), resume)
+    if os.environ.get(launcher.LAUNCHER_ENV, "").isdigit():  # a rank of our --nproc launcher: stop when it dies
+        distributed.stop_with_parent(int(os.environ[launcher.LAUNCHER_ENV]))
     try:
         run(cfg)
     except TrainingStopped as stop:
@@ -326,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except TrainingStopped as stop:  # a signal during the data stage or a merge: stopped cleanly
+        print(f"{stop.label}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
-from lora_tune import engines, evaluation, objectives, planner, serving
+from lora_tune import engines, evaluation, objectives, planner, serving, shards
 from lora_tune.adapter import Targets, meta_model, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
@@ -39,6 +40,14 @@ from lora_tune.planner.memory import GIB, Estimate, Setup
 log = logging.getLogger("lora_tune")
 
 RUN_FILES = ("lora_tune_config.yaml", "adapter_config.json", "metrics.jsonl")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# A finished run whose checkpoints are gone: nothing to continue from, and its adapter must not be
+# overwritten by a run from step 0. Formatted with out=OUTPUT_DIR.
+FINISHED_RUN = (
+    "--resume: {out} holds a finished run but no checkpoint to continue from (they were deleted), and resuming would "
+    "start from step 0 over it; the adapter in {out} is complete; to train further, start a new run from it: "
+    "--init-adapter {out} --output-dir NEW"
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class RunInputs:
     saved_state: dict | None  # its trainer_state.json
     base_path: str  # what from_pretrained takes
     base_id: str  # what the adapter records as its base
+    base_fingerprint: str | None  # of its config and safetensors headers (None: a hub id not in the local cache)
     tokenizer: object
     device: torch.device
     targets: Targets | None  # None: remote code, resolved on the loaded model
@@ -95,10 +105,30 @@ def math_config(cfg: TrainConfig) -> dict:
     return {k: getattr(cfg, k) for k in TrainConfig.math_keys()}
 
 
+def run_world_size(cfg: TrainConfig) -> int:
+    """The number of processes this run trains with: the launcher's world inside a job, else the
+    processes --nproc will start (or one)."""
+    return dist.world_size() if dist.launched() else (cfg.nproc or 1)
+
+
 def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
     return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * dist.world_size())))
+
+
+def writable_folder(out: Path, option: str) -> None:
+    """Refuse, before anything is loaded, an output folder that can't be created or written: one
+    under a file, on a read-only file system or without write permission. Writes nothing."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{option}: {out} would be inside {existing}, which is a file; give a folder")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise UserError(f"{option}: {existing} is on a read-only file system; choose another {option}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option}: {existing} is not writable (permission denied); choose another {option}")
 
 
 def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
@@ -111,6 +141,16 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
         # Rank 0 judges the folder (and takes its lock) for the job; by the time another rank looks,
         # rank 0 may already have written this run's first files there.
         return out, complete[-1] if cfg.resume and complete else None
+    writable_folder(out, "--output-dir")
+    links = sorted(p.name for p in out.iterdir() if p.is_symlink() and not ckpt.is_checkpoint_name(p.name)) if out.is_dir() else []
+    if links:
+        raise UserError(
+            f"--output-dir: {out / links[0]} is a symbolic link; lora-tune never writes through links in its output folder (they "
+            "could point at anyone's files): remove it, or choose another --output-dir"
+        )
+    odd = [name for name in (*RUN_FILES, *ADAPTER_FILES, ckpt.LOCK_NAME) if (out / name).exists() and not (out / name).is_file()]
+    if odd:
+        raise UserError(f"--output-dir: {out / odd[0]} is not a file (a folder?); lora-tune writes a file there: remove it")
     holder = ckpt.lock_holder(out)
     if holder:
         raise UserError(
@@ -122,8 +162,10 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
             raise UserError(f"--output-dir: {out} already holds a run; pass --resume to continue it, or choose another --output-dir")
         return out, None
     if not complete:
+        if all((out / f).is_file() for f in ADAPTER_FILES):
+            raise UserError(FINISHED_RUN.format(out=out))
         ckpt.remove_leftovers(out)
-        if holds_run:
+        if holds_run or (out / ckpt.LOCK_NAME).is_file():  # the lock alone: killed while loading, before writing anything
             # Killed before its first checkpoint: there is nothing to lose, so start over.
             log.warning("no complete checkpoint in %s (%d incomplete ignored); starting from step 0", out, len(incomplete))
             return out, None
@@ -137,14 +179,62 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
     return out, complete[-1]
 
 
-def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir: Path) -> dict:
-    """The checkpoint's trainer state, when the math it was trained with is the math asked for now."""
-    state = ckpt.read_json(checkpoint_dir / "trainer_state.json")
+def check_not_a_model(out: Path, base_path: str) -> None:
+    """The output folder is never the base model's folder, nor inside it, nor another model's
+    folder: a run writes its tokenizer and adapter files there, which would change what
+    `from_pretrained` loads from it. Refused whatever the other options say."""
+    base = Path(base_path)
+    if base.is_dir():
+        base, target = base.resolve(), out.resolve()
+        if target == base or base in target.parents:
+            where = "is the base model's folder" if target == base else f"is inside the base model's folder {base}"
+            raise UserError(f"--output-dir: {out} {where}; a run writes its own files there. Choose a folder outside the base model")
+    files = sorted(out.iterdir()) if out.is_dir() else []
+    weights = [p.name for p in files if p.suffix in (".safetensors", ".bin") and not p.name.startswith("adapter_")]
+    if (out / "config.json").is_file() and weights:
+        raise UserError(
+            f"--output-dir: {out} holds a model ({weights[0]}, config.json), not a lora-tune run; choose an empty folder or a "
+            "new one for the run"
+        )
+
+
+def base_fingerprint(cfg: TrainConfig, base_path: str) -> str | None:
+    """Checks the base's weights before loading and returns what identifies them: its config.json
+    and each safetensors file's name, size and header (validated against the file's size, so a
+    truncated or garbage shard is named now). A hub id is looked up in the local cache; None when
+    it isn't there yet (from_pretrained will download it)."""
+    folder = Path(base_path)
+    if not folder.is_dir():
+        cached = try_to_load_from_cache(base_path, "config.json")
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+        files = shards.shard_files(folder)
+        if files is None or not all(p.is_file() for p in files):
+            return None  # not all downloaded yet: from_pretrained fetches the rest
+    if shards.shard_files(folder) is None:
+        bins = sorted(folder.glob("*.bin"))
+        if not bins or not cfg.allow_bin:
+            return None  # the loader names what is missing (or asks for --allow-bin)
+        return shards.fingerprint(folder, bins)
+    return shards.fingerprint(folder)
+
+
+def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir: Path, base: str | None = None) -> dict:
+    """The checkpoint's trainer state, when the math it was trained with is the math asked for now:
+    the same settings, data content, base weights (by content: a base moved or renamed is the same
+    base; one changed in place is not) and world size."""
+    state = ckpt.read_trainer_state(checkpoint_dir / "trainer_state.json")
     saved = state.get("math_config", {})
     now = math_config(cfg)
     differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if state.get("data_fingerprint") != data.fingerprint:
         differing.append("data content (fingerprint)")
+    if state.get("base_fingerprint") and base:
+        if "base" in differing and state["base_fingerprint"] == base:
+            differing.remove("base")  # the same weights under another name or path
+        elif state["base_fingerprint"] != base:
+            differing.append("base model content (config and weights' fingerprint)")
     if differing and not cfg.allow_config_change:
         details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" if k in now else k for k in differing)
         raise UserError(
@@ -153,7 +243,26 @@ def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir
         )
     if differing:
         log.warning("resuming with changed settings (--allow-config-change): %s", ", ".join(differing))
+    check_world_size(cfg, state, checkpoint_dir)
     return state
+
+
+def check_world_size(cfg: TrainConfig, state: dict, checkpoint_dir: Path) -> None:
+    """A resume is exact only with the world size the checkpoint was written with: each optimizer
+    step is grad_accum x world micro-batches, dealt round-robin to the ranks, and every rank saved
+    its own part of the optimizer state (split over the ranks by each multi-process backend), which
+    can't be dealt out again to another number of ranks. So "provably the same" is: the same world
+    size. Not overridable by --allow-config-change: the state itself would not match."""
+    saved, now = int(state.get("world_size", 1)), run_world_size(cfg)
+    if saved == now:
+        return
+    ga = cfg.grad_accum
+    raise UserError(
+        f"--resume: {checkpoint_dir} was written by {saved} process(es) and this run has {now}: each step would be {ga} x {now} "
+        f"micro-batches instead of {ga} x {saved}, and each process saved its own shard of the optimizer state, which only "
+        f"the same number of processes can load (the one case where a resume provably computes the same run). Resume with "
+        f"--nproc {saved} (or launch {saved} processes)"
+    )
 
 
 def lora_targets(cfg: TrainConfig, config) -> Targets | None:
@@ -308,9 +417,11 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     engines.check_compatibility(cfg)
     objectives.check_options(cfg)
     check_reporter(cfg.report_to)
-    output_dir, resume_from = check_output_dir(cfg)
     base_path = resolve_base(cfg.base)
     base_id = base_path if not Path(base_path).is_dir() else str(Path(base_path).resolve())
+    check_not_a_model(Path(cfg.output_dir).expanduser(), base_path)
+    output_dir, resume_from = check_output_dir(cfg)
+    fingerprint = base_fingerprint(cfg, base_path)
     tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
@@ -325,7 +436,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     for line in data.per_source if len(data.per_source) > 1 else []:
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
-    saved_state = check_resume_compatible(cfg, data, resume_from) if resume_from else None
+    saved_state = check_resume_compatible(cfg, data, resume_from, fingerprint) if resume_from else None
     objective = objectives.of(cfg)
     row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
     batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)
@@ -347,6 +458,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         saved_state=saved_state,
         base_path=base_path,
         base_id=base_id,
+        base_fingerprint=fingerprint,
         tokenizer=tokenizer,
         device=device,
         targets=targets,

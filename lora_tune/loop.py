@@ -349,6 +349,7 @@ class TrainingLoop:
                 "micro_batches_done": self.state.step * self.cfg.grad_accum * dist.world_size(),
                 "world_size": dist.world_size(),
                 "data_fingerprint": self.inputs.data.fingerprint,
+                "base_fingerprint": self.inputs.base_fingerprint,
                 "math_config": math_config(self.cfg),
             },
         )

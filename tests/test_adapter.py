@@ -78,3 +78,16 @@ def test_the_saved_adapter_loads_with_peft_and_no_temp_file_is_left(tiny_model, 
     ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_a_failed_adapter_write_leaves_no_temporary_file(tiny_model, tmp_path, monkeypatch):
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4)
+    model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, str(tiny_model))
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(model.peft_config["default"]), "save_pretrained", full_disk)  # after the weights were written
+    with pytest.raises(OSError, match="No space left"):
+        save_adapter(model, tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -111,7 +111,13 @@ def load_architecture(base: str) -> Architecture:
         path = Path(base).expanduser() / "config.json"
         if not path.is_file():
             raise UserError(f"--base: {path} does not exist; give a model folder with a config.json, or an alias from `lora-tune models`")
-        return Architecture.from_config(json.loads(path.read_text()))
+        try:
+            config = json.loads(path.read_bytes())
+        except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+            raise UserError(f"--base: {path} is unreadable or not JSON ({first_line(e)}); restore it from the model's source") from None
+        if not isinstance(config, dict):
+            raise UserError(f"--base: {path} is not a model config (a JSON object); restore it from the model's source")
+        return Architecture.from_config(config)
     resolved = resolve_base(base)  # unknown aliases fail here, with a suggestion
     try:
         return Architecture.from_config(json.loads(Path(hf_hub_download(resolved, "config.json")).read_text()))
