@@ -111,13 +111,15 @@ def test_a_damaged_cache_entry_is_built_again_with_one_line(how, tmp_path, token
     want = [s.input_ids for s in prepare_data(data_config(path, **options), tokenizer).train]
     (entry,) = [p.parent for p in (tmp_path / "cache").glob("*/meta.json")]
     damage(entry, how)
-    logger = logging.getLogger("lora_tune")  # it does not propagate once the CLI set it up (an earlier test)
+    logger = logging.getLogger("lora_tune")  # caplog's handler on it, not propagating (as the CLI sets it up): each record once
+    propagate, logger.propagate = logger.propagate, False
     logger.addHandler(caplog.handler)
     try:
         with caplog.at_level(logging.INFO, logger="lora_tune"):
             again = prepare_data(data_config(path, **options), tokenizer)
     finally:
         logger.removeHandler(caplog.handler)
+        logger.propagate = propagate
     assert [s.input_ids for s in again.train] == want
     (line,) = [r.message for r in caplog.records if "unreadable" in r.message]
     assert line.startswith(f"data: the cached copy of {path} in {entry} is unreadable (") and line.endswith("); tokenizing it again")
