@@ -170,12 +170,7 @@ class TrainConfig(BaseModel):
         json_schema_extra=FREE,
         description="GiB of GPU memory --gradient-checkpointing auto plans for. Default: the GPU's memory less 10%.",
     )
-    compile: bool = Field(
-        False,
-        json_schema_extra=FREE,
-        description="Compile each decoder layer with torch.compile (regional: compiled once, reused by every layer) and the "
-        "chunked loss; the first steps pay the compile time, later runs of the same shapes read PyTorch's on-disk cache.",
-    )
+
     activation_offload: bool = Field(
         False,
         json_schema_extra=FREE,
