@@ -13,6 +13,7 @@ from peft.tuners.lora import LoraLayer
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
 from lora_tune.checkpoint import fsync_path, remove_tree, write_safetensors
@@ -140,25 +141,54 @@ def lora_config(cfg, targets: Targets):
     )
 
 
-def add_lora(model, cfg, base_id: str, targets: Targets | None = None):
+@dataclass(frozen=True)
+class Checkpointing:
+    """Which decoder layers recompute their activations in backward: none (`enabled` false), or
+    all but the last `kept_layers`, which keep theirs (--gradient-checkpointing auto's choice)."""
+
+    enabled: bool
+    kept_layers: int = 0
+
+    @classmethod
+    def of(cls, cfg) -> Checkpointing:
+        """The setting of the configuration alone (auto, undecided, is every layer)."""
+        return cls(cfg.gradient_checkpointing != "off")
+
+
+def checkpointed_layers(model) -> list:
+    """The decoder layers transformers can checkpoint, in order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_checkpointing(model, checkpointing: Checkpointing, offload: bool) -> None:
+    # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
+    # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
+    # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        # offload: transformers keeps the checkpointed layer inputs in pinned host memory.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.enable_input_require_grads()
+    if checkpointing.kept_layers:
+        # The layers' own switch (GradientCheckpointingLayer.gradient_checkpointing): the last ones
+        # run plainly and keep their activations.
+        for layer in checkpointed_layers(model)[-checkpointing.kept_layers :]:
+            layer.gradient_checkpointing = False
+
+
+def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpointing: Checkpointing | None = None):
     """Wrap the base with trainable LoRA layers (fp32), checkpointing set up for peft.
 
     Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad. `targets`:
-    resolved before loading (from a meta skeleton); else resolved on `model`.
+    resolved before loading (from a meta skeleton); else resolved on `model`. `checkpointing`:
+    decided for this run (lora_tune.inputs); else the configuration's setting.
     """
     targets = targets or resolve_targets(model, cfg)
-    if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
-        # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
-        # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
-        kwargs = {"use_reentrant": False}
-        offload = getattr(cfg, "activation_offload", False)
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            # offload: transformers keeps the checkpointed layer inputs in pinned host memory.
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        model.enable_input_require_grads()
+    checkpointing = checkpointing or Checkpointing.of(cfg)
+    if checkpointing.enabled:
+        enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
     peft_model = get_peft_model(model, lora_config(cfg, targets))
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed

@@ -61,6 +61,11 @@ def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
             choices = typing.get_args(kind)
             kw["metavar"] = "|".join(map(str, choices))
             kind = type(choices[0])  # validated by the schema, so the message is the same for YAML and flags
+            if {"on", "off"} <= set(choices):  # a switch with more settings: --x alone is on, --no-x off
+                parser.add_argument(flag(name, f), nargs="?", const="on", type=str, **kw)
+                off = dict(dest=name, action="store_const", const="off", default=argparse.SUPPRESS, help=f"{flag(name, f)} off")
+                parser.add_argument("--no-" + flag(name, f).removeprefix("--"), **off)
+                continue
         if is_list:
             kw["nargs"] = "+"
         if not isinstance(kind, type):  # e.g. a source: a string on the command line, a mapping only in YAML

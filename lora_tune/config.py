@@ -157,9 +157,20 @@ class TrainConfig(BaseModel):
         "cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup."
     )
     max_grad_norm: float = Field(1.0, ge=0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
-    gradient_checkpointing: bool = Field(
-        True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory."
+    gradient_checkpointing: Literal["on", "off", "auto"] = Field(
+        "auto",
+        json_schema_extra=FREE,
+        description="Recompute decoder layers' activations in backward (non-reentrant) to save memory: on (every layer), off, or "
+        "auto: the fewest layers such that the memory plan fits --memory-budget, the others keep their activations (on a CPU, "
+        "where there is no device budget, auto is on).",
     )
+    memory_budget: float | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=FREE,
+        description="GiB of GPU memory --gradient-checkpointing auto plans for. Default: the GPU's memory less 10%.",
+    )
+
     activation_offload: bool = Field(
         False,
         json_schema_extra=FREE,
@@ -305,6 +316,11 @@ class TrainConfig(BaseModel):
     @classmethod
     def _sources(cls, v):
         return [v] if isinstance(v, (str, dict)) else v
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML true/false as before
 
     @field_validator("target_modules")
     @classmethod

@@ -22,7 +22,7 @@ from huggingface_hub import try_to_load_from_cache
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune import engines, evaluation, objectives, planner, serving, shards
-from lora_tune.adapter import Targets, meta_model, resolve_targets
+from lora_tune.adapter import Checkpointing, Targets, meta_model, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
@@ -35,7 +35,9 @@ from lora_tune.metrics import check_reporter
 from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, model_class, packing_refusal, pick_device
 from lora_tune.objectives import Objective
 from lora_tune.planner.architecture import unquantized_experts
-from lora_tune.planner.memory import GIB, Estimate, Setup
+from lora_tune.planner.memory import GIB, Estimate, Setup, recomputed_layers
+from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed
+from lora_tune.planner.speed import checkpointing_cost
 
 log = logging.getLogger("lora_tune")
 
@@ -99,6 +101,7 @@ class RunInputs:
     plan: MemoryPlan | None  # None when the architecture can't be read offline
     objective: Objective
     reference: ReferencePlan | None  # how the reference log-probabilities are computed (objectives that compare with one)
+    checkpointing: Checkpointing  # which decoder layers recompute their activations
 
 
 def math_config(cfg: TrainConfig) -> dict:
@@ -294,7 +297,7 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     if reason:
         log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
         chunk = 0
-    if cfg.activation_offload and not cfg.gradient_checkpointing:
+    if cfg.activation_offload and cfg.gradient_checkpointing == "off":
         raise UserError("--activation-offload moves the inputs that gradient checkpointing keeps: it needs --gradient-checkpointing")
     if cfg.activation_offload and device.type != "cuda":
         raise UserError(f"--activation-offload needs a CUDA GPU (on {device} the activations already live in host memory); leave it out")
@@ -323,6 +326,33 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
 
 
+def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
+    """--gradient-checkpointing auto: the fewest checkpointed layers whose plan fits the budget
+    (--memory-budget, else the GPU's memory less 10%); every layer on a CPU without a budget."""
+    if cfg.memory_budget is not None:
+        budget, source = int(cfg.memory_budget * GIB), f"--memory-budget {cfg.memory_budget:g} GiB"
+    elif device.type == "cuda":
+        budget = int(BUDGET_SHARE * device_memory_bytes(device))
+        source = f"{BUDGET_SHARE:.0%} of {device_memory_bytes(device) / GIB:.1f} GiB"
+    else:
+        log.info("gradient checkpointing (auto): every layer (no device memory budget on %s; --memory-budget sets one)", device)
+        return setup
+    chosen = fewest_checkpointed(arch, setup, budget)
+    need = planner.estimate(arch, chosen).per_device["total_bytes"] / GIB
+    recomputed = recomputed_layers(arch, chosen)
+    gain = 1 - checkpointing_cost(chosen, arch.layers) / checkpointing_cost(setup, arch.layers)
+    log.info(
+        "gradient checkpointing (auto): %d of %d decoder layers recomputed, the rest keep their activations (plan %.2f GiB "
+        "within %s; step time %.0f%% below checkpointing every layer)",
+        recomputed,
+        arch.layers,
+        need,
+        source,
+        100 * gain,
+    )
+    return chosen
+
+
 def preflight(cfg: TrainConfig, device: torch.device):
     """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
     when it will not fit. None when the architecture can't be read offline."""
@@ -332,6 +362,8 @@ def preflight(cfg: TrainConfig, device: torch.device):
         log.info("memory plan skipped: %s", e)
         return None
     setup = planner.setup_from(cfg)
+    if cfg.gradient_checkpointing == "auto":
+        setup = auto_checkpointing(cfg, arch, setup, device)
     estimate = planner.estimate(arch, setup)
     need, have = estimate.per_device["total_bytes"], device_memory_bytes(device)
     log.info("memory plan: %.2f GiB of %.2f GiB on %s", need / GIB, have / GIB, device)
@@ -450,6 +482,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
             100 * tokens / (batches.n_rows * row),
         )
     steps = total_steps(cfg, len(batches))
+    plan = preflight(cfg, device)
     reference = reference_plan(cfg, objective, data, base_id, steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,
@@ -467,7 +500,8 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         eval_prompts=eval_prompts,
         batches=batches,
         total_steps=steps,
-        plan=preflight(cfg, device),
+        plan=plan,
         objective=objective,
         reference=reference,
+        checkpointing=Checkpointing(plan.setup.gradient_checkpointing, plan.setup.kept_layers) if plan else Checkpointing.of(cfg),
     )

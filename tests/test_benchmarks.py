@@ -45,3 +45,16 @@ def test_dpo_vs_trl_runs_every_route_on_a_tiny_shape(tmp_path):
         assert pairs_per_second > 0
     ratios = [line for line in proc.stdout.splitlines() if line.startswith("vs TRL DPOTrainer")]
     assert len(ratios) == 2 and all("pairs/s " in line and "peak RSS " in line for line in ratios)
+
+
+def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/checkpointing_budget.py", "--tiny", "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "gradient checkpointing (auto): 2 of 4 decoder layers recomputed" in proc.stdout
+    assert "same losses on every route: True" in proc.stdout and "planned 12.5%" in proc.stdout
