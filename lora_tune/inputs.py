@@ -386,9 +386,10 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, base_id: str, trained: int, per_epoch: int):
+def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, base: list, trained: int, per_epoch: int):
     """Where this run's reference log-probabilities come from, said in the log. Keyed for the cache
-    by what they depend on: the data, the base, the starting adapter, the compute precision."""
+    by what they depend on: the data, the base (its id and content fingerprint), the starting
+    adapter, the compute precision."""
     if not objective.reference:
         return None
     if cfg.init_adapter and cfg.reference == "per-step":
@@ -399,7 +400,7 @@ def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, b
     cache = None
     if cfg.data_cache:
         adapter = file_digest(Path(cfg.init_adapter).expanduser() / "adapter_model.safetensors") if cfg.init_adapter else None
-        key = hashlib.sha256(json.dumps([data.fingerprint, base_id, adapter, cfg.precision, cfg.max_seq_len]).encode()).hexdigest()[:24]
+        key = hashlib.sha256(json.dumps([data.fingerprint, *base, adapter, cfg.precision, cfg.max_seq_len]).encode()).hexdigest()[:24]
         cache = data_cache_root(cfg) / "reference" / f"{key}.safetensors"
     mode = objectives.reference_mode(cfg, objective, trained, per_epoch, cached=cache is not None and cache.is_file())
     why = {
@@ -483,7 +484,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         )
     steps = total_steps(cfg, len(batches))
     plan = preflight(cfg, device)
-    reference = reference_plan(cfg, objective, data, base_id, steps * cfg.grad_accum * dist.world_size(), len(batches))
+    reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,
         output_dir=output_dir,

@@ -29,7 +29,7 @@ def test_flags_override_yaml(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("base: tiny-llama\ndata: d.jsonl\noutput_dir: out\nrank: 8\nlr: 0.001\ntarget_modules: [q_proj, v_proj]\n")
     cfg = parse(["train", "--config", str(cfg_file), "--rank", "32", "--no-gradient-checkpointing"])
-    assert cfg.rank == 32 and cfg.lr == 0.001 and cfg.gradient_checkpointing is False
+    assert cfg.rank == 32 and cfg.lr == 0.001 and cfg.gradient_checkpointing == "off"
     assert cfg.target_modules == ["q_proj", "v_proj"]
     assert cfg.lora_alpha == 64  # default alpha follows the overridden rank
 

@@ -13,7 +13,12 @@ from lora_tune.errors import UserError
 
 def test_defaults_match_the_brief():
     cfg = TrainConfig(base="b", data="d", output_dir="o")
-    assert (cfg.precision, cfg.rank, cfg.lora_alpha, cfg.optim, cfg.gradient_checkpointing) == ("bf16", 16, 32.0, "adamw_8bit", True)
+    # Checkpointing: as many layers as the memory plan needs (every one on a CPU); YAML's true / false still mean on / off.
+    assert (cfg.precision, cfg.rank, cfg.lora_alpha, cfg.optim, cfg.gradient_checkpointing) == ("bf16", 16, 32.0, "adamw_8bit", "auto")
+    assert [TrainConfig(base="b", data="d", output_dir="o", gradient_checkpointing=v).gradient_checkpointing for v in (True, False)] == [
+        "on",
+        "off",
+    ]
     assert cfg.trust_remote_code is False and cfg.allow_bin is False and cfg.target_modules is None
     assert cfg.backend is None and cfg.zero == 0 and cfg.offload == "none" and cfg.dropout == 0.0
 
