@@ -6,9 +6,12 @@
    are peaked, as tests/test_export.py does), each exported as f16, bf16 and q8_0 by `lora-tune export`
    in a fresh interpreter: max logit difference (relative) and greedy agreement of transformers' GGUF
    loader vs the merged model, tokenizer ids read back from the GGUF, export seconds, peak RSS.
-2. A Llama-shaped base of ~200 MB fp32 in 4 shards plus a rank-16 adapter: `export RUN --quant f16`
-   (merging on the fly) vs the merged folder's size and its largest shard; peak RSS net of a bare
-   interpreter that imports the same libraries.
+2. Llama-shaped bases of 12 and 36 layers (~150 and ~430 MB fp32, ~57 MB shards) plus a rank-16
+   adapter: `export RUN --quant f16` (merging on the fly) vs the merged folder's size and its largest
+   shard; peak RSS net of a bare interpreter that imports the same libraries. Streaming shows as a
+   net peak that stays the same when the model triples.
+
+    python benchmarks/export_roundtrip.py --streaming-only   # part 2 alone, rewriting its section
 """
 
 from __future__ import annotations
@@ -78,7 +81,8 @@ def round_trips(root: Path) -> list[str]:
     return rows
 
 
-def streaming(root: Path) -> list[str]:
+def sharded_run(root: Path, layers: int) -> tuple[Path, list[Path]]:
+    """A Llama-shaped fp32 base of `layers` layers saved in ~57 MB shards, and a rank-16 run on it."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -86,10 +90,15 @@ def streaming(root: Path) -> list[str]:
     from lora_tune.tiny_model import build_tiny_llama
 
     base = build_tiny_llama(
-        root / "base-small", hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4
+        root / f"base-small-{layers}",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
     )
     model = AutoModelForCausalLM.from_pretrained(base)
-    sharded = root / "base"
+    sharded = root / f"base-{layers}"
     model.save_pretrained(sharded, max_shard_size="60MB")
     for f in base.iterdir():
         if f.name.startswith(("tokenizer", "chat_template", "generation")):
@@ -104,59 +113,72 @@ def streaming(root: Path) -> list[str]:
             init_lora_weights=False,
         ),
     )
-    peft_model.save_pretrained(root / "run")
-    config = json.loads((root / "run" / "adapter_config.json").read_text())
+    run = root / f"run-{layers}"
+    peft_model.save_pretrained(run)
+    config = json.loads((run / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = str(sharded)
-    (root / "run" / "adapter_config.json").write_text(json.dumps(config))
+    (run / "adapter_config.json").write_text(json.dumps(config))
     for f in sharded.iterdir():
         if f.name.startswith(("tokenizer", "chat_template")):
-            (root / "run" / f.name).write_bytes(f.read_bytes())
-    del model, peft_model
-    shards = sorted(sharded.glob("model-*.safetensors"))
-    total, largest = sum(s.stat().st_size for s in shards), max(s.stat().st_size for s in shards)
+            (run / f.name).write_bytes(f.read_bytes())
+    return run, sorted(sharded.glob("model-*.safetensors"))
+
+
+def streaming(root: Path) -> list[str]:
     bare = python(IMPORTS_ONLY)["peak"]
     rows = [
-        "| route | export s | peak RSS MiB | net of imports MiB | merged size MiB (fp32) | largest shard MiB | net / largest shard |",
-        "|---|---|---|---|---|---|---|",
+        "| layers | route | export s | peak RSS MiB | net of imports MiB | merged size MiB (fp32) | shards | largest shard MiB "
+        "| net / largest shard |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for label, verify in (
-        ("export RUN --quant f16 --no-verify (merge on the fly)", "0"),
-        ("export RUN --quant f16 (verify: logits of two models)", "1"),
-    ):
-        r = python(EXPORT, root / "run", root / f"stream-{verify}.gguf", "f16", verify)
-        net = r["peak"] - bare
-        rows.append(
-            f"| {label} | {r['total_s']:.1f} | {r['peak'] / 2**20:,.0f} | {net / 2**20:,.0f} | {total / 2**20:,.0f} | "
-            f"{largest / 2**20:,.0f} | {net / largest:.2f} |"
-        )
-        print(rows[-1], flush=True)
-    rows.append(f"\n{len(shards)} shards; imports alone (torch, gguf, safetensors, lora_tune.exporting): {bare / 2**20:,.0f} MiB.")
+    streamed = ("export RUN --quant f16 --no-verify (merge on the fly)", "0")
+    verified = ("export RUN --quant f16 (verify: logits of two models)", "1")
+    for layers, routes in ((12, (streamed, verified)), (36, (streamed,))):
+        run, shards = sharded_run(root, layers)
+        total, largest = sum(s.stat().st_size for s in shards), max(s.stat().st_size for s in shards)
+        for label, verify in routes:
+            r = python(EXPORT, run, root / f"stream-{layers}-{verify}.gguf", "f16", verify)
+            net = r["peak"] - bare
+            rows.append(
+                f"| {layers} | {label} | {r['total_s']:.1f} | {r['peak'] / 2**20:,.0f} | {net / 2**20:,.0f} | {total / 2**20:,.0f} | "
+                f"{len(shards)} | {largest / 2**20:,.0f} | {net / largest:.2f} |"
+            )
+            print(rows[-1], flush=True)
+    rows.append(f"\nImports alone (torch, gguf, safetensors, lora_tune.exporting): {bare / 2**20:,.0f} MiB.")
     return rows
+
+
+STREAMING_TITLE = "## Streaming: Llama-shaped fp32 bases in ~57 MB shards, rank-16 adapter, exported from the run"
 
 
 def main() -> None:
     t0 = time.time()
+    out = ROOT / "benchmarks" / "results" / "export_roundtrip.md"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        table = round_trips(root)
+        if "--streaming-only" in sys.argv[1:]:
+            before = out.read_text().split("## Streaming")[0].rstrip().splitlines()
+            table = before[2:]  # the round trips as last measured (title and blank line dropped)
+        else:
+            reader = (
+                "Reader: transformers' GGUF loader (independent of our writer) vs the merged model, 4 fixed prompts "
+                "(up to 256 positions); tokenizer rebuilt by transformers from the GGUF's metadata."
+            )
+            table = [reader, "", *round_trips(root)]
         stream = streaming(root)
     text = "\n".join(
         [
             "# GGUF export round trips (python benchmarks/export_roundtrip.py)",
             "",
-            "Reader: transformers' GGUF loader (independent of our writer) vs the merged model, 4 fixed prompts "
-            "(up to 256 positions); tokenizer rebuilt by transformers from the GGUF's metadata.",
-            "",
             *table,
             "",
-            "## Streaming: a ~200 MB fp32 Llama-shaped base in shards, rank-16 adapter, exported from the run",
+            STREAMING_TITLE,
             "",
             *stream,
             "",
-            f"total benchmark time {time.time() - t0:.0f}s on this machine",
+            f"benchmark time {time.time() - t0:.0f}s on this machine",
         ]
     )
-    out = ROOT / "benchmarks" / "results" / "export_roundtrip.md"
     out.write_text(text + "\n")
     print(text)
 
