@@ -21,7 +21,7 @@ import torch
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune import engines, evaluation, objectives, planner, serving
-from lora_tune.adapter import Targets, meta_model, resolve_targets
+from lora_tune.adapter import Targets, peft_exact_targets, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
@@ -31,7 +31,8 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
 from lora_tune.loss import chunking_refusal
 from lora_tune.metrics import check_reporter
-from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, model_class, packing_refusal, pick_device
+from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, packing_refusal, pick_device, quant_method
+from lora_tune.model_structure import meta_model, model_class
 from lora_tune.objectives import Objective
 from lora_tune.planner.architecture import unquantized_experts
 from lora_tune.planner.memory import GIB, Estimate, Setup
@@ -162,7 +163,7 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
     if model_class(config) is None:
         return None  # remote code: resolved on the loaded model
     skeleton = meta_model(config)
-    targets = resolve_targets(skeleton, cfg)
+    targets = peft_exact_targets(config, cfg, resolve_targets(skeleton, cfg))
     log.info("LoRA targets: %s", targets.describe(skeleton))
     fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
     note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
@@ -289,9 +290,11 @@ def check_init_adapter(cfg: TrainConfig, targets: Targets | None) -> None:
         raise UserError(f"--init-adapter: {config_file} is not an adapter config")
     wanted = {"r": cfg.rank, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.rslora, "use_dora": cfg.dora}
     if targets is not None:
-        wanted["target_modules"] = sorted(targets.modules)
+        wanted["target_modules"] = targets.peft_target_modules()
     defaults = {"use_rslora": False, "use_dora": False}  # peft's, for configs written without them
-    found = {k: sorted(saved.get(k) or []) if k == "target_modules" else saved.get(k, defaults.get(k)) for k in wanted}
+    found = {k: saved.get(k, defaults.get(k)) for k in wanted}
+    if isinstance(found.get("target_modules"), list) and isinstance(wanted.get("target_modules"), list):
+        found["target_modules"], wanted["target_modules"] = sorted(found["target_modules"]), sorted(wanted["target_modules"])
 
     def shown(v):
         return f"{v:g}" if isinstance(v, float) else repr(v)
@@ -314,7 +317,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
-    engines.check_layer_by_layer(cfg, config.model_type)
+    engines.check_layer_by_layer(cfg, quant_method(config))
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)

@@ -11,11 +11,11 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers import AutoConfig, AutoTokenizer, BitsAndBytesConfig
 from transformers.utils import is_flash_attn_2_available
 
 from lora_tune.errors import UserError, first_line
+from lora_tune.model_structure import auto_class, model_class
 from lora_tune.tiny_configs import shrink_config
 
 log = logging.getLogger("lora_tune")
@@ -95,7 +95,7 @@ def load_base_model(
     if not zero3:
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
     try:
-        model = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+        model = auto_class(load_config(base_path, trust_remote_code)).from_pretrained(base_path, **kwargs)
     except OSError as e:
         raise UserError(f"--base: could not load weights from {base_path} ({first_line(e)})") from None
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
@@ -104,19 +104,19 @@ def load_base_model(
     return model
 
 
+def quant_method(config) -> str | None:
+    """How a checkpoint's weights are quantized on disk (fp8, mxfp4, ...), from its config; None when plain."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    return quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+
+
 def load_config(base_path: str, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise UserError(f"--base: could not read the config of {base_path} ({first_line(e)})") from None
-
-
-def model_class(config):
-    """The transformers causal-LM class of a config (None for remote code or unknown models)."""
-    try:
-        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        return None
 
 
 def attention_implementation(choice: str, config, device: torch.device) -> str:

@@ -53,7 +53,7 @@ def compute(cfg) -> Plan:
     engines.check_compatibility(cfg, paths=False)
     arch = load_architecture(cfg.base)
     if not cfg.auto:
-        engines.check_layer_by_layer(cfg, arch.model_type)
+        engines.check_layer_by_layer(cfg, arch.quantized)
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
     cpu_bytes = cpu_memory_bytes(cfg.cpu_memory)

@@ -14,9 +14,10 @@ import torch
 from huggingface_hub import hf_hub_download
 from transformers import AutoConfig
 
-from lora_tune.adapter import Inventory, block_path, in_blocks, is_linear, meta_model
+from lora_tune.adapter import Inventory, block_path, is_linear
 from lora_tune.aliases import ALIASES, architecture, looks_like_path, resolve_base
 from lora_tune.errors import UserError, first_line
+from lora_tune.model_structure import block_modules, meta_model
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Architecture:
     inventory: Inventory
     total: int  # every parameter
     other_params: int  # not in a linear weight: embeddings, head, norms, biases, experts, routers
+    quantized: str | None = None  # the quant_method of a checkpoint that ships quantized weights (fp8, mxfp4)
 
     @classmethod
     def from_config(cls, c: dict) -> Architecture:
@@ -49,7 +51,7 @@ class Architecture:
     @property
     def expert_params(self) -> int:
         """Parameters in fused 3-D expert tensors (bitsandbytes leaves them unquantized)."""
-        return sum(math.prod(shape) for _, shape in self.tensors if len(shape) == 3)
+        return sum(math.prod(shape) for path, shape in self.tensors if path in self.inventory.experts)
 
 
 @functools.lru_cache(maxsize=16)
@@ -64,42 +66,45 @@ def _architecture(config_json: str) -> Architecture:
             f"--base: transformers can't build model_type {model_type!r} from this config.json ({first_line(e)[:120]}); "
             "only causal LMs that transformers implements (no remote code) can be planned"
         ) from None
-    linears, linear_weights = [], set()
-    for name, m in skeleton.named_modules():
-        if is_linear(m) and in_blocks(name):
+    # The language model's blocks only: an image-text wrapper's vision tower is counted in `total`
+    # but never adapted.
+    linears, tensors = [], []
+    for name, m in block_modules(skeleton):
+        if is_linear(m):
             # Conv1D (GPT-2) stores its weight (in, out)
             n_in, n_out = (m.in_features, m.out_features) if isinstance(m, torch.nn.Linear) else tuple(m.weight.shape)
             linears.append((name.rsplit(".", 1)[-1], int(n_in), int(n_out)))
-            linear_weights.add(f"{name}.weight")
-    params = dict(skeleton.named_parameters())
-    tensors = tuple((block_path(n), tuple(p.shape)) for n, p in params.items() if in_blocks(n) and p.dim() >= 2 and n not in linear_weights)
-    total = sum(p.numel() for p in params.values())
+            continue
+        tensors += [(block_path(f"{name}.{p}"), tuple(t.shape)) for p, t in m.named_parameters(recurse=False) if t.dim() >= 2]
+    total = sum(p.numel() for p in skeleton.parameters())
     names = {n for n, _, _ in linears}
+    text = config.get_text_config(decoder=True)  # the language model's shapes (of an image-text wrapper too)
 
     def get(*keys):
-        return next((getattr(config, k) for k in keys if getattr(config, k, None)), None)
+        return next((getattr(text, k) for k in keys if getattr(text, k, None)), None)
 
     try:
-        hidden, heads = config.hidden_size, config.num_attention_heads
+        hidden, heads = text.hidden_size, text.num_attention_heads
     except AttributeError as e:  # e.g. Mamba: no attention, so no activation model here
         raise UserError(f"--base: {model_type} has no attention layers ({e}); the planner models transformer decoders only") from None
     return Architecture(
         model_type=model_type,
         hidden=hidden,
         intermediate=get("moe_intermediate_size", "intermediate_size", "n_inner") or 4 * hidden,
-        layers=config.num_hidden_layers,
+        layers=text.num_hidden_layers,
         heads=heads,
         kv_heads=get("num_key_value_heads") or heads,
         head_dim=get("head_dim") or hidden // heads,
-        vocab=config.vocab_size,
+        vocab=text.vocab_size,
         gated=bool(names & {"gate_proj", "gate_up_proj", "w1"}) or any("gate_up" in t for t, _ in tensors),
         experts=get("num_local_experts", "num_experts", "n_routed_experts") or 0,
         active_experts=get("num_experts_per_tok") or 1,
         linears=tuple(linears),
-        tensors=tensors,
+        tensors=tuple(tensors),
         inventory=Inventory.of(skeleton),
         total=total,
         other_params=total - sum(a * b for _, a, b in linears),
+        quantized=(c.get("quantization_config") or {}).get("quant_method"),
     )
 
 
@@ -111,7 +116,7 @@ def load_architecture(base: str) -> Architecture:
         path = Path(base).expanduser() / "config.json"
         if not path.is_file():
             raise UserError(f"--base: {path} does not exist; give a model folder with a config.json, or an alias from `lora-tune models`")
-        return Architecture.from_config(json.loads(path.read_text()))
+        return Architecture.from_config(read_config_json(path))
     resolved = resolve_base(base)  # unknown aliases fail here, with a suggestion
     try:
         return Architecture.from_config(json.loads(Path(hf_hub_download(resolved, "config.json")).read_text()))
@@ -119,6 +124,15 @@ def load_architecture(base: str) -> Architecture:
         raise
     except Exception as e:  # noqa: BLE001 - hub errors come in many types
         raise UserError(f"--base: could not read config.json of {resolved} ({first_line(e)}); pass an alias or a local folder") from None
+
+
+def read_config_json(path: Path) -> dict:
+    """A model folder's config.json as transformers reads it: non-finite floats, which transformers
+    writes as {"__float__": "Infinity"} (Mamba-2 hybrids' time_step_limit), decoded."""
+    try:
+        return AutoConfig.from_pretrained(path.parent).to_dict()
+    except (OSError, ValueError, KeyError):  # remote code or a config transformers can't read: refused by its model type later
+        return json.loads(path.read_text())
 
 
 def unquantized_experts(precision: str, fused: int, total: int) -> str | None:
