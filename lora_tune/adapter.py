@@ -18,7 +18,7 @@ from transformers.pytorch_utils import Conv1D
 from lora_tune.checkpoint import fsync_path, write_safetensors
 from lora_tune.checkpoint_layout import natural_order
 from lora_tune.errors import UserError, first_line
-from lora_tune.model_structure import anchored_pattern, block_modules, body_path, meta_model
+from lora_tune.model_structure import anchored_pattern, block_modules, body_path, linear_name, meta_model
 
 log = logging.getLogger("lora_tune")
 
@@ -32,15 +32,17 @@ def is_linear(module) -> bool:
     return isinstance(module, (torch.nn.Linear, Conv1D))
 
 
+def is_plain_linear(module) -> bool:
+    """A linear layer that computes x W^T + b, which is what a LoRA pair beside it adds to: not an
+    nn.Linear subclass with a forward of its own (DeepSeek-V4's grouped output projection)."""
+    return isinstance(module, Conv1D) or (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward)
+
+
 def block_path(name: str) -> str:
     """`model.layers.3.mlp.experts` -> `mlp.experts`: the path inside a block."""
     parts = name.split(".")
     digits = [i for i, p in enumerate(parts) if p.isdigit()]
     return ".".join(parts[digits[0] + 1 :]) if digits else name
-
-
-def short_name(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ class Targets:
         """The names of the base tensors these targets adapt in `model` (unwrapped)."""
         names = set()
         for name, module in block_modules(model):
-            if is_linear(module) and short_name(name) in self.modules:
+            if is_linear(module) and linear_name(name) in self.modules:
                 names.add(f"{name}.weight")
             for p, _ in module.named_parameters(recurse=False):
                 if block_path(f"{name}.{p}") in self.parameters:
@@ -76,12 +78,21 @@ class Targets:
         counts: dict[str, int] = {}
         for name in sorted(self.weights(model), key=natural_order):
             path = block_path(name)
-            key = path if path in self.parameters else short_name(path.removesuffix(".weight"))
+            key = path if path in self.parameters else linear_name(path.removesuffix(".weight"))
             counts[key] = counts.get(key, 0) + 1
         return ", ".join(f"{k} x{v}" for k, v in counts.items())
 
 
-CONV = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+def is_experts(module) -> bool:
+    """A module holding MoE experts as stacked matrices (experts, out, in): what transformers'
+    experts decorator marks (`is_transposed`), or a module whose parameters are all such stacks of
+    one expert count (Llama 4, JetMoE). Not a convolution's kernel, a Mamba mixer's per-head
+    tensors or an attention's per-head projections, which sit beside other parameters."""
+    params = [t for _, t in module.named_parameters(recurse=False)]
+    stacks = [t for t in params if t.dim() == 3 and min(t.shape) > 1]
+    if not stacks or isinstance(module, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)):
+        return False
+    return hasattr(module, "is_transposed") or (len(stacks) == len(params) and len({t.shape[0] for t in stacks}) == 1)
 
 
 @dataclass(frozen=True)
@@ -97,21 +108,29 @@ class Inventory:
     routers: tuple[str, ...]
     body: str = "model"
     elsewhere: tuple[str, ...] = ()
+    tied: tuple[str, ...] = ()  # linears whose weight is one tensor with another layer's (Zamba's shared block)
 
     @classmethod
     def of(cls, model) -> Inventory:
         blocks = dict(block_modules(model))
-        linears = {short_name(n) for n, m in blocks.items() if is_linear(m)}
+        linears = {linear_name(n) for n, m in blocks.items() if is_plain_linear(m)}
         experts = {
-            block_path(f"{n}.{p}")
-            for n, m in blocks.items()
-            if not isinstance(m, CONV)
-            for p, t in m.named_parameters(recurse=False)
-            if t.dim() == 3
+            block_path(f"{n}.{p}") for n, m in blocks.items() if is_experts(m) for p, t in m.named_parameters(recurse=False) if t.dim() == 3
         }
-        routers = {block_path(n) for n, m in blocks.items() if short_name(n) in ROUTERS and not is_linear(m)}
-        elsewhere = {short_name(n) for n, m in model.named_modules() if n and (n not in blocks or not is_linear(m))}
-        return cls(tuple(sorted(linears)), tuple(sorted(experts)), tuple(sorted(routers)), body_path(model), tuple(sorted(elsewhere)))
+        routers = {block_path(n) for n, m in blocks.items() if n.rsplit(".", 1)[-1] in ROUTERS and not is_linear(m)}
+        # What a target name would also match (peft: the name, or a dotted suffix of it)
+        others = [n.split(".") for n, m in model.named_modules() if n and (n not in blocks or not is_plain_linear(m))]
+        elsewhere = {".".join(parts[-k:]) for parts in others for k in (1, 2, 3) if k <= len(parts)}
+        tied_weights = {k for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items() for k in pair}
+        tied = {linear_name(n) for n, m in blocks.items() if is_linear(m) and f"{n}.weight" in tied_weights}
+        return cls(
+            tuple(sorted(linears)),
+            tuple(sorted(experts)),
+            tuple(sorted(routers)),
+            body_path(model),
+            tuple(sorted(elsewhere)),
+            tuple(sorted(tied)),
+        )
 
 
 def resolve_targets(model_or_inventory, cfg) -> Targets:
@@ -122,7 +141,7 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
     MoE experts included: per-expert linears by name, fused expert tensors as target parameters."""
     inv = model_or_inventory if isinstance(model_or_inventory, Inventory) else Inventory.of(model_or_inventory)
     if not cfg.target_modules:
-        names = [n for n in inv.linears if n not in ROUTERS]
+        names = [n for n in inv.linears if n not in ROUTERS and n not in inv.tied]
         if not names:
             raise UserError(
                 "--target-modules: no linear layers found inside the transformer blocks of this model; pass --target-modules explicitly"
@@ -133,6 +152,11 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
         for name in cfg.target_modules:
             experts = [e for e in inv.experts if name in ("experts", e.rsplit(".", 1)[-1])]
             routers = [f"{r}.weight" for r in inv.routers if r.rsplit(".", 1)[-1] == name]  # a router as a parameter (peft ParamWrapper)
+            if name in inv.tied:
+                raise UserError(
+                    f"--target-modules: {name} shares its weight with another layer's (tied: one tensor in the checkpoint), so "
+                    "LoRA on it could not be merged; leave it out"
+                )
             if name in inv.linears:
                 modules.append(name)
             elif experts or routers:
@@ -186,18 +210,30 @@ def adaptation_mismatch(wanted: set[str], adapted: dict[str, int], rank: int) ->
     return ", ".join(parts)
 
 
-def probe_peft(config, cfg, targets: Targets) -> tuple[set[str], dict[str, int]]:
+class PeftRefused(Exception):
+    """peft raised while injecting the targets (the message is its first line)."""
+
+
+def inject_on_meta(config, cfg, targets: Targets) -> tuple[set[str], dict[str, int]]:
     """Inject the targets into a meta skeleton of `config` (no memory) the way training will: (the
-    tensors asked for, what peft adapted). peft refusing the targets is one error line."""
+    tensors asked for, what peft adapted). Raises PeftRefused."""
     skeleton = meta_model(config)
     wanted = targets.weights(skeleton)
     try:
         with torch.device("meta"):
             peft_model = get_peft_model(skeleton, lora_config(cfg, targets))
     except (ValueError, TypeError, RuntimeError, KeyError) as e:
-        names = ", ".join(targets.modules + targets.parameters)
-        raise UserError(f"--target-modules: peft can't adapt {names} on this model ({first_line(e)})") from None
+        raise PeftRefused(first_line(e)) from None
     return wanted, adapted_weights(peft_model)
+
+
+def probe_peft(config, cfg, targets: Targets) -> tuple[set[str], dict[str, int]]:
+    """inject_on_meta, peft refusing the targets being one error line."""
+    try:
+        return inject_on_meta(config, cfg, targets)
+    except PeftRefused as e:
+        names = ", ".join(targets.modules + targets.parameters)
+        raise UserError(f"--target-modules: peft can't adapt {names} on this model ({e})") from None
 
 
 def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
@@ -205,14 +241,17 @@ def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
     types whose checkpoints transformers fuses (MoE): it drops gate/up/down_proj from target_modules
     (so dense first layers and shared experts get no LoRA) and doubles the rank of fused gate_up
     experts. Linears named in target_parameters by their block path are left alone (and load back
-    with stock peft); whatever still differs is refused in one line, before loading."""
+    with stock peft); whatever still differs is refused in one line, before loading. Default
+    targets that peft refuses to adapt (Mamba's in/out projections) are left out, and said so."""
+    if not cfg.target_modules:
+        targets = peft_accepted(config, cfg, targets)
     wanted, adapted = probe_peft(config, cfg, targets)
     mismatch = adaptation_mismatch(wanted, adapted, cfg.rank)
     if mismatch is None:
         return targets
-    dropped = {short_name(n.removesuffix(".weight")) for n in wanted - set(adapted)} & set(targets.modules)
+    dropped = {linear_name(n.removesuffix(".weight")) for n in wanted - set(adapted)} & set(targets.modules)
     if dropped:
-        moved = tuple(sorted({block_path(n) for n in wanted if short_name(n.removesuffix(".weight")) in dropped}))
+        moved = tuple(sorted({block_path(n) for n in wanted if linear_name(n.removesuffix(".weight")) in dropped}))
         modules = tuple(m for m in targets.modules if m not in dropped)
         candidate = Targets(modules, targets.parameters + moved, targets.scope if modules else None)
         if adaptation_mismatch(*probe_peft(config, cfg, candidate), cfg.rank) is None:
@@ -234,6 +273,27 @@ def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
         f"--target-modules: peft would not adapt this {config.model_type} model as asked ({mismatch}); pass --target-modules "
         "with the linear layers to adapt"
     )
+
+
+def peft_accepted(config, cfg, targets: Targets) -> Targets:
+    """The default targets without the linear layers peft refuses to adapt on this model (each
+    tried alone on a meta skeleton when all of them together are refused), logged."""
+    try:
+        inject_on_meta(config, cfg, targets)
+        return targets
+    except PeftRefused:
+        pass
+    refused = {}
+    for name in targets.modules:
+        try:
+            inject_on_meta(config, cfg, Targets((name,), (), targets.scope))
+        except PeftRefused as e:
+            refused[name] = str(e)
+    if not refused or len(refused) == len(targets.modules):
+        return targets  # refused as a whole (or for no one module): probe_peft says why
+    for name, why in refused.items():
+        log.warning("LoRA targets: %s left out, peft refuses to adapt it on this model (%s)", name, why)
+    return Targets(tuple(m for m in targets.modules if m not in refused), targets.parameters, targets.scope)
 
 
 def check_adapted(wanted: set[str], peft_model, rank: int) -> None:

@@ -21,7 +21,7 @@ import torch
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune import engines, evaluation, objectives, planner, serving
-from lora_tune.adapter import Targets, peft_exact_targets, resolve_targets
+from lora_tune.adapter import Inventory, Targets, peft_exact_targets, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
@@ -31,7 +31,17 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
 from lora_tune.loss import chunking_refusal
 from lora_tune.metrics import check_reporter
-from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, packing_refusal, pick_device, quant_method
+from lora_tune.model_loading import (
+    attention_implementation,
+    checkpointing_refusal,
+    dequantizing,
+    head_refusal,
+    load_config,
+    load_tokenizer,
+    packing_refusal,
+    pick_device,
+    quant_method,
+)
 from lora_tune.model_structure import meta_model, model_class
 from lora_tune.objectives import Objective
 from lora_tune.planner.architecture import unquantized_experts
@@ -163,7 +173,14 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
     if model_class(config) is None:
         return None  # remote code: resolved on the loaded model
     skeleton = meta_model(config)
-    targets = peft_exact_targets(config, cfg, resolve_targets(skeleton, cfg))
+    inventory = Inventory.of(skeleton)
+    if inventory.tied and not cfg.target_modules:
+        log.warning(
+            "LoRA targets: %s left out: their weights are tied across layers (one tensor in the checkpoint), so LoRA on them "
+            "could not be merged",
+            ", ".join(inventory.tied),
+        )
+    targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg))
     log.info("LoRA targets: %s", targets.describe(skeleton))
     fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
     note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
@@ -182,7 +199,7 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
         log.warning("packing off: %s; training on padded batches instead (pass --no-packing to silence this)", reason)
         packing = False
     chunk = cfg.loss_chunk_size
-    reason = chunking_refusal(config) if chunk != 0 else None
+    reason = chunking_refusal(config) or head_refusal(config) if chunk != 0 else None
     if reason:
         log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
         chunk = 0
@@ -318,6 +335,13 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, quant_method(config))
+    dequantizing(config, cfg.precision)  # a pre-quantized checkpoint that can't be trained this way: one line now
+    reason = checkpointing_refusal(config) if cfg.gradient_checkpointing else None
+    if reason:
+        log.warning(
+            "gradient checkpointing off: %s; every layer's activations are kept (pass --no-gradient-checkpointing to silence this)", reason
+        )
+        cfg = cfg.model_copy(update={"gradient_checkpointing": False})
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 from huggingface_hub import snapshot_download
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
 from peft.utils.other import get_pattern_key
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
@@ -45,8 +45,8 @@ from lora_tune.aliases import resolve_base
 from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.config import MergeConfig, parse_size
 from lora_tune.errors import UserError, first_line
-from lora_tune.model_loading import load_config
-from lora_tune.model_structure import auto_class, meta_model, model_class
+from lora_tune.model_loading import dequantizing, load_config, quant_method
+from lora_tune.model_structure import auto_class, meta_model, model_class, text_ids
 
 log = logging.getLogger("lora_tune")
 
@@ -180,17 +180,26 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
         wrapped = get_peft_model(meta_model(model_config), LoraConfig.from_pretrained(str(adapter_dir)))
     loras: dict[str, LoraModule] = {}
     used = set()
+    aliases: dict[int, list[str]] = {}  # a block shared across layers (Zamba) is one LoRA layer under several names
+    for name, layer in wrapped.named_modules(remove_duplicate=False):
+        if isinstance(layer, LoraLayer):
+            aliases.setdefault(id(layer), []).append(name)
+    tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})  # a tied tensor is stored under its source's name
     for name, layer in lora_layers(wrapped):
-        module = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        key = f"{module}.{getattr(layer, 'parameter_name', 'weight')}"
+        names = aliases[id(layer)]
+        keys = [
+            f"{n.removeprefix('base_model.model.').replace('.base_layer', '')}.{getattr(layer, 'parameter_name', 'weight')}" for n in names
+        ]
+        key = next((tied.get(k, k) for k in keys if tied.get(k, k) in layout.groups), keys[0])
+        module = key.rsplit(".", 1)[0]
         a, b = adapter_tensor(weights, name, "lora_A"), adapter_tensor(weights, name, "lora_B")
         if a is None or b is None:
             raise UserError(f"--adapter: {adapter_dir} has no LoRA weights for {key}; this adapter was trained on another base")
         magnitude = adapter_tensor(weights, name, "lora_magnitude_vector")
-        used |= {k for k in weights if k.startswith(f"{name}.lora_")}
-        shape = layout.model_state[key].shape
+        used |= {k for n in names for k in weights if k.startswith(f"{n}.lora_")}
+        shape = layout.model_state[key].shape if key in layout.model_state else ()
         experts = shape[0] if len(shape) == 3 else 0
-        in_first = bool(getattr(modules_of[module], "is_transposed", False))  # transformers' experts stored (E, in, out)
+        in_first = bool(getattr(modules_of.get(module), "is_transposed", False))  # transformers' experts stored (E, in, out)
         loras[key] = LoraModule(a, b, layer.scaling["default"], magnitude, experts, in_first)
     leftover = sorted(k for k in set(weights) - used if "lora_" in k)
     if leftover:
@@ -343,14 +352,13 @@ def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code
     auto = auto_class(load_config(str(base), trust_remote_code))
     reference = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
     reference = PeftModel.from_pretrained(reference, adapter_dir).eval()
-    vocab = reference.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = text_ids(reference, (2, 24), seed=0)
     with torch.no_grad():
-        want = reference(input_ids=ids).logits
+        want = reference(input_ids=ids, use_cache=False).logits
     del reference
     model = auto.from_pretrained(merged, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     with torch.no_grad():
-        got = model(input_ids=ids).logits
+        got = model(input_ids=ids, use_cache=False).logits
     return relative_drift(got, want)
 
 
@@ -494,20 +502,24 @@ class TensorMerger:
 
 # --- the command ----------------------------------------------------------------------------------
 def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig) -> float | None:
-    """Through transformers and peft, the whole model in host memory: only for a model transformers
-    doesn't implement (remote code) whose adapter adapts fused tensors, where no skeleton says
-    which disk tensors they are built from. save_pretrained writes them back in the checkpoint's
-    own layout. Checked on the spot: logits of base + adapter vs the merged model. Returns the drift."""
+    """Through transformers and peft, the whole model in host memory: for a checkpoint that ships
+    quantized weights (dequantized by transformers' own loader; written out plain, in --dtype),
+    and for a model transformers doesn't implement (remote code) whose adapter adapts fused tensors,
+    where no skeleton says which disk tensors they are built from. save_pretrained writes the
+    checkpoint's own layout. Checked on the spot: logits of base + adapter vs the merged model.
+    Returns the drift."""
     hf_logging.disable_progress_bar()
     dtype = OUT_DTYPE[cfg.dtype]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    config = load_config(str(base), cfg.trust_remote_code)
+    model = auto_class(config).from_pretrained(
+        base, dtype=dtype, trust_remote_code=cfg.trust_remote_code, quantization_config=dequantizing(config)
+    )
     model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = text_ids(model, (2, 24), seed=0)
     with torch.no_grad():
-        want = model(input_ids=ids).logits
+        want = model(input_ids=ids, use_cache=False).logits
         merged = model.merge_and_unload()
-        got = merged(input_ids=ids).logits
+        got = merged(input_ids=ids, use_cache=False).logits
     for name, p in merged.named_parameters():
         if p.is_floating_point() and not all_finite(p.data):
             raise UserError(f"merged weight {name} contains NaN/inf; the adapter is broken (check the training metrics)")
@@ -536,6 +548,18 @@ def run(cfg: MergeConfig) -> Path:
     base = base_folder(base_ref)
     dtype = OUT_DTYPE[cfg.dtype]
     base_files = shards.weight_files(base)
+    quantized = quant_method(load_config(str(base), cfg.trust_remote_code))
+    if quantized:
+        n_bytes = sum(e.nbytes for f in base_files for e in shards.read_header(f).values())
+        log.warning(
+            "merge: %s ships %s-quantized weights; merging through transformers, which dequantizes them, with the whole model in "
+            "host memory (~%.1f GB as stored, more dequantized), into plain %s weights",
+            base,
+            quantized,
+            n_bytes / 1e9,
+            cfg.dtype,
+        )
+        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
     groups = plan_output(base_files, dtype, max_bytes)
     sources = {t.name: t.source for group in groups for t in group}
     adapter = disk_adapter(base, adapter_dir, config, weights, sources, cfg.trust_remote_code)

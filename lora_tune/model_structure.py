@@ -19,6 +19,7 @@ import re
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedModel
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
@@ -51,6 +52,23 @@ def meta_model(config):
         return auto_class(config).from_config(config)
 
 
+def text_ids(model, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random token ids a text-only forward accepts: any id of the vocabulary but the special ids
+    the config names (an image-text model's image/video/audio placeholders want pixel values)."""
+    vocab = model.get_input_embeddings().weight.shape[0]
+    special = set()
+    for config in [model.config, *(getattr(model.config, k, None) for k in (getattr(model.config, "sub_configs", None) or {}))]:
+        for key, value in (config.to_dict() if config is not None and hasattr(config, "to_dict") else {}).items():
+            if (
+                key.endswith(("_token_id", "_token_index"))
+                and isinstance(value, int)
+                and key not in ("bos_token_id", "eos_token_id", "pad_token_id")
+            ):
+                special.add(value)
+    allowed = torch.tensor([i for i in range(vocab) if i not in special])
+    return allowed[torch.randint(0, len(allowed), shape, generator=torch.Generator().manual_seed(seed))]
+
+
 def decoder_body(model):
     """The innermost PreTrainedModel containing the input embeddings (and so the decoder layers)."""
     embed = model.get_input_embeddings()
@@ -72,17 +90,34 @@ def body_path(model) -> str:
     return next(name for name, m in model.named_modules() if m is body)
 
 
-def in_blocks(name: str) -> bool:
-    """Inside the repeated blocks: under some ModuleList index (layers.3, h.3, ...)."""
-    return any(part.isdigit() for part in name.split("."))
-
-
 def block_modules(model):
-    """(full name, module) of every module inside the decoder body's repeated blocks."""
-    prefix = body_path(model)
-    for name, module in decoder_body(model).named_modules(prefix=prefix):
-        if in_blocks(name.removeprefix(prefix)):
-            yield name, module
+    """(full name, module) of every module inside the decoder body's repeated blocks: the elements
+    of its ModuleLists (layers, h, blocks, ...) and everything under them, each module once. Other
+    sub-models inside the body (GIT's image encoder) are not the language model's blocks."""
+    seen = set()
+
+    def walk(module, name, in_block):
+        for child_name, child in module.named_children():
+            if isinstance(child, PreTrainedModel) or id(child) in seen:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            inside = in_block or isinstance(module, torch.nn.ModuleList)
+            if inside:
+                seen.add(id(child))
+                yield full, child
+            yield from walk(child, full, inside)
+
+    yield from walk(decoder_body(model), body_path(model), False)
+
+
+def linear_name(name: str) -> str:
+    """How a linear layer is named as a LoRA target: its last path component, with its parent's when
+    that is an index (`mlp.fc.0`: `fc.0`, an element of a Sequential)."""
+    parts = name.split(".")
+    keep = 1
+    while keep < len(parts) and parts[-keep].isdigit():
+        keep += 1
+    return ".".join(parts[-keep:])
 
 
 def anchored_pattern(prefix: str, short_names) -> str:
@@ -90,3 +125,14 @@ def anchored_pattern(prefix: str, short_names) -> str:
     inside the blocks under `prefix`, and nowhere else."""
     names = "|".join(re.escape(n) for n in sorted(short_names))
     return rf"{re.escape(prefix)}\.(?:.+\.)?\d+\.(?:.+\.)?(?:{names})"
+
+
+def recurrent_layers(config) -> int:
+    """How many layers carry a recurrent or convolution state across tokens (linear attention,
+    Mamba/SSM, short convolutions), by transformers' own cache layer classes for them."""
+    try:
+        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    except (AttributeError, KeyError, TypeError, ValueError):  # no per-layer description: a plain decoder
+        return 0
+    kinds = [DYNAMIC_LAYER_TYPE_MAPPING.get(t) for t in layer_types]
+    return sum(isinstance(k, type) and issubclass(k, LinearAttentionCacheLayerMixin) for k in kinds)

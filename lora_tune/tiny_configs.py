@@ -36,6 +36,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 # --- target sizes --------------------------------------------------------------------------------
+TEXT_VOCAB = 512  # lora_tune.tiny_model.train_tiny_tokenizer(); multimodal special ids go above it
 HIDDEN = 64
 INTERMEDIATE = 128
 EXPERT_INTERMEDIATE = 32
@@ -676,7 +677,7 @@ def _shrink_tree(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict)
     return _rebuild(config, up, new_subs)
 
 
-def shrink_config(config, vocab_size: int = 512, overrides: dict | None = None):
+def shrink_config(config, vocab_size: int = TEXT_VOCAB, overrides: dict | None = None):
     """The smallest config of `config`'s family that keeps its structure (see the module doc).
 
     `vocab_size`: the text vocabulary (512 = lora_tune.tiny_model.train_tiny_tokenizer()); the

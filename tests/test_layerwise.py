@@ -11,6 +11,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from lora_tune import layerwise
+from lora_tune.model_loading import load_config
+from lora_tune.model_structure import auto_class, text_ids
+from lora_tune.tiny_model import build_tiny_model
 
 
 def test_the_reader_returns_every_tensor_as_stored(tiny_model):
@@ -44,6 +47,33 @@ def test_filled_layer_by_layer_equals_from_pretrained(tiny_model):
     ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(skeleton(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gemma3"])
+def test_a_converted_checkpoint_is_filled_as_from_pretrained_converts_it(model_type, tmp_path):
+    """Mixtral stores one tensor per expert (fused into 3-D parameters on load); a Gemma 3 image-text
+    checkpoint stores its language model as `language_model.model.*`: both are converted layer by
+    layer with transformers' own conversion mapping (the language model's layers first, the vision
+    tower with the rest)."""
+    base = build_tiny_model(model_type, tmp_path / model_type)
+    skeleton, reader = layerwise.build_skeleton(str(base), "fp32", trust_remote_code=False)
+    partitioned = []
+    layerwise.load_layer_by_layer(
+        skeleton,
+        reader,
+        torch.device("cpu"),
+        "fp32",
+        init_adapter=lambda unit, name: None,
+        partition=lambda layer: partitioned.append(layer),
+        partition_root=lambda root: partitioned.append(root),
+    )
+    reference = auto_class(load_config(str(base))).from_pretrained(base, dtype=torch.float32).eval()
+    assert len(partitioned) == len(layerwise.decoder_layers(reference)) + 1 > 2
+    want, got = reference.state_dict(), skeleton.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ids = text_ids(reference, (1, 16), seed=0)
+    with torch.no_grad():
+        assert torch.equal(skeleton.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
 def test_a_checkpoint_under_other_names_is_not_streamable(tiny_model, tmp_path):

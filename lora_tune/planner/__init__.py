@@ -71,8 +71,8 @@ def compute(cfg) -> Plan:
     else:
         est = estimate(arch, setup)
         text = render.table(est, setup, gpu_bytes, cpu_bytes)
-    note = render.quantization_note(arch, setup.precision)
-    text = f"{text}\n{note}" if note else text
+    for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch)):
+        text = f"{text}\n{note}" if note else text
     return Plan(est, fits(est, gpu_bytes, cpu_bytes), setup, bool(cfg.auto), recommended, text)
 
 
