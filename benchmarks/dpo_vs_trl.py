@@ -13,8 +13,10 @@ sequence up to 1,024 tokens, padded to the longest; lora-tune: 4 rows of 2 x 1,0
 with whole pairs).
 
 Each route runs in a fresh interpreter; reported: whole-process wall time, pairs per second of
-training (the reference pass included), peak RSS (VmHWM) and its rise over the RSS at the start of
-training, and the final loss; then the ratios of lora-tune to each TRL route.
+training (the reference pass included: TRL precomputes it while the trainer is built, so its time
+runs from the construction), peak RSS (VmHWM) and its rise over the RSS when training starts, and
+the final loss; then the ratios of lora-tune to each TRL route. Run it on an idle machine: the
+routes run one after another, and a busy core skews their ratio.
 
     python benchmarks/dpo_vs_trl.py [--pairs 96] [--workdir DIR] [--tiny]
 """
@@ -63,11 +65,11 @@ args = DPOConfig(output_dir=sys.argv[4], per_device_train_batch_size=cfg["micro_
                  save_strategy="no", report_to="none", gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
                  seed=cfg["seed"], disable_tqdm=True, use_cpu=not cuda, bf16=cfg["precision"] != "fp32")
 peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok, peft_config=peft)
 before = rss()
 if cuda:
     torch.cuda.reset_peak_memory_stats()
-t = time.perf_counter()
+t = time.perf_counter()  # from the trainer's construction: it tokenizes (well under a second here) and precomputes the reference
+trainer = DPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok, peft_config=peft)
 trainer.train()
 seconds = time.perf_counter() - t
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -179,6 +179,9 @@ def long_tail_rows(n: int, seed: int, equal_length: bool) -> list[dict]:
 
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=4000, num_attention_heads=8, num_key_value_heads=4),
+    "tiny4": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=4000, num_attention_heads=8, num_key_value_heads=4
+    ),
     "cpu": dict(
         hidden_size=512, intermediate_size=1376, num_hidden_layers=4, vocab_size=32000, num_attention_heads=8, num_key_value_heads=4
     ),

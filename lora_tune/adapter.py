@@ -13,9 +13,10 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from peft.tuners.lora import LoraLayer
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
-from lora_tune.checkpoint import fsync_path, write_safetensors
+from lora_tune.checkpoint import fsync_path, remove_tree, write_safetensors
 from lora_tune.checkpoint_layout import natural_order
 from lora_tune.errors import UserError, first_line
 from lora_tune.model_structure import anchored_pattern, block_modules, body_path, linear_name, meta_model
@@ -317,26 +318,55 @@ def lora_config(cfg, targets: Targets):
     )
 
 
-def add_lora(model, cfg, base_id: str, targets: Targets | None = None):
+@dataclass(frozen=True)
+class Checkpointing:
+    """Which decoder layers recompute their activations in backward: none (`enabled` false), or
+    all but the last `kept_layers`, which keep theirs (--gradient-checkpointing auto's choice)."""
+
+    enabled: bool
+    kept_layers: int = 0
+
+    @classmethod
+    def of(cls, cfg) -> Checkpointing:
+        """The setting of the configuration alone (auto, undecided, is every layer)."""
+        return cls(cfg.gradient_checkpointing != "off")
+
+
+def checkpointed_layers(model) -> list:
+    """The decoder layers transformers can checkpoint, in order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_checkpointing(model, checkpointing: Checkpointing, offload: bool) -> None:
+    # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
+    # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
+    # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        # offload: transformers keeps the checkpointed layer inputs in pinned host memory.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.enable_input_require_grads()
+    if checkpointing.kept_layers:
+        # The layers' own switch (GradientCheckpointingLayer.gradient_checkpointing): the last ones
+        # run plainly and keep their activations.
+        for layer in checkpointed_layers(model)[-checkpointing.kept_layers :]:
+            layer.gradient_checkpointing = False
+
+
+def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpointing: Checkpointing | None = None):
     """Wrap the base with trainable LoRA layers (fp32), checkpointing set up for peft.
 
     Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad. `targets`:
-    resolved before loading (from a meta skeleton); else resolved on `model`.
+    resolved before loading (from a meta skeleton); else resolved on `model`. `checkpointing`:
+    decided for this run (lora_tune.inputs); else the configuration's setting.
     """
     targets = targets or resolve_targets(model, cfg)
     wanted = targets.weights(model)
-    if cfg.gradient_checkpointing:
-        # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
-        # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
-        # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
-        kwargs = {"use_reentrant": False}
-        offload = getattr(cfg, "activation_offload", False)
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-            # offload: transformers keeps the checkpointed layer inputs in pinned host memory.
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        model.enable_input_require_grads()
+    checkpointing = checkpointing or Checkpointing.of(cfg)
+    if checkpointing.enabled:
+        enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
     peft_model = get_peft_model(model, lora_config(cfg, targets))
     check_adapted(wanted, peft_model, cfg.rank)
     peft_model.peft_config["default"].base_model_name_or_path = base_id
@@ -413,7 +443,7 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     """Write adapter_config.json + adapter_model.safetensors into out_dir (peft's layout).
 
     Each file is written to a temporary name and renamed, so a crash leaves the old file or the
-    new one, never half of one.
+    new one, never half of one, and a failed write leaves no temporary file.
     """
 
     out = Path(out_dir)
@@ -422,14 +452,17 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     state = trainable_state_dict(peft_model) if state is None else state
     check_adapter_state(state, lora_cfg)
     tmp_weights = out / f".adapter_model.safetensors.tmp-{os.getpid()}"
-    write_safetensors(tmp_weights, state, metadata={"format": "pt"})
-    fsync_path(tmp_weights)
     tmp_config_dir = out / f".adapter_config.tmp-{os.getpid()}"
-    lora_cfg.save_pretrained(str(tmp_config_dir))
-    fsync_path(tmp_config_dir / "adapter_config.json")
-    os.replace(tmp_weights, out / "adapter_model.safetensors")
-    os.replace(tmp_config_dir / "adapter_config.json", out / "adapter_config.json")
-    tmp_config_dir.rmdir()
+    try:
+        write_safetensors(tmp_weights, state, metadata={"format": "pt"})
+        fsync_path(tmp_weights)
+        lora_cfg.save_pretrained(str(tmp_config_dir))
+        fsync_path(tmp_config_dir / "adapter_config.json")
+        os.replace(tmp_weights, out / "adapter_model.safetensors")
+        os.replace(tmp_config_dir / "adapter_config.json", out / "adapter_config.json")
+    finally:  # a failed write (full disk) leaves no temporary file behind; a kill's are removed on --resume
+        remove_tree(tmp_weights)
+        remove_tree(tmp_config_dir)
 
 
 def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:

@@ -12,6 +12,7 @@ safetensors, the rest as JSON: no pickle anywhere, so loading can't run code) an
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -53,6 +55,10 @@ def fsync_tree(path: Path) -> None:
     fsync_path(path)
 
 
+def is_checkpoint_name(name: str) -> bool:
+    return bool(_NAME.match(name))
+
+
 def step_of(folder: Path) -> int:
     """The step of a `checkpoint-STEP` folder."""
     return int(_NAME.match(folder.name).group(1))
@@ -70,14 +76,36 @@ def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
     return sorted(complete, key=step_of), sorted(incomplete, key=step_of)
 
 
+def remove_tree(path: Path) -> None:
+    """Delete a folder we wrote, or a link in its place: a symbolic link is unlinked, never followed,
+    so what it points to (another run's checkpoint, a user's folder) is left as it is."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)  # rmtree itself never follows links inside the folder
+
+
 def remove_leftovers(output_dir: Path) -> list[Path]:
-    """Delete hidden temp / replaced folders left by a process killed mid-save (never valid)."""
+    """Delete hidden temp / replaced folders left by a process killed mid-save (never valid), and the
+    temporary files of an adapter write it was killed in."""
     if not output_dir.is_dir():
         return []
     leftovers = sorted(p for p in output_dir.glob(".checkpoint-*") if ".tmp-" in p.name or ".old-" in p.name)
+    leftovers += sorted(p for p in output_dir.glob(".adapter_*.tmp-*") if not pid_alive(p.name.rsplit("-", 1)[-1]))
     for p in leftovers:
-        shutil.rmtree(p, ignore_errors=True)
+        remove_tree(p)
     return leftovers
+
+
+def pid_alive(pid: str) -> bool:
+    """Whether a process of that id runs on this machine (a temp file's writer)."""
+    try:
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def newest_complete(output_dir: Path) -> Path | None:
@@ -99,13 +127,12 @@ class CheckpointWriter:
         self.tmp = output_dir / f".checkpoint-{step}.tmp-{step}"
 
     def begin(self) -> Path:
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
+        remove_tree(self.tmp)
         self.tmp.mkdir(parents=True)
         return self.tmp
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        remove_tree(self.tmp)
 
     def commit(self) -> None:
         try:
@@ -116,7 +143,7 @@ class CheckpointWriter:
                 stale = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
                 os.replace(self.final, stale)
                 os.replace(self.tmp, self.final)
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_tree(stale)
             else:
                 os.replace(self.tmp, self.final)
             fsync_path(self.output_dir)
@@ -126,16 +153,20 @@ class CheckpointWriter:
 
 
 def rotate(output_dir: Path, keep: int | None) -> list[Path]:
-    """Remove the oldest complete checkpoints beyond `keep`; the newest is never among them."""
+    """Remove the oldest complete checkpoints beyond `keep`; the newest is never among them. A
+    checkpoint that is a symbolic link (into another run's folder, say) loses the link only."""
     if not keep:
         return []
     complete, _ = list_checkpoints(output_dir)
     doomed = complete[:-keep] if len(complete) > keep else []
     for p in doomed:
+        if p.is_symlink():
+            p.unlink()
+            continue
         # Drop the marker first: a crash mid-delete leaves an incomplete folder, never a "complete"
         # one with missing files.
         (p / MARKER).unlink(missing_ok=True)
-        shutil.rmtree(p, ignore_errors=True)
+        remove_tree(p)
     return doomed
 
 
@@ -193,9 +224,25 @@ def write_json(path: Path, data) -> None:
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
         raise UserError(f"{path} is unreadable or corrupt ({e}); delete that checkpoint to resume from an older one") from None
+
+
+def read_trainer_state(path: Path) -> dict:
+    """trainer_state.json, checked to be what `write` saved: the TrainerState fields as numbers, the
+    recorded settings as a mapping. Anything else is named in one line."""
+    state = read_json(path)
+
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    ok = isinstance(state, dict) and all(whole(state.get(k)) for k in ("step", "tokens_seen", "bad_steps_in_a_row"))
+    ok = ok and (state.get("best_eval_loss") is None or isinstance(state["best_eval_loss"], (int, float)))
+    ok = ok and isinstance(state.get("math_config", {}), dict) and whole(state.get("world_size", 1))
+    if not ok:
+        raise UserError(f"{path} is not a trainer state lora-tune wrote; delete that checkpoint to resume from an older one")
+    return state
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -300,16 +347,43 @@ LOCK_NAME = ".lora-tune.lock"
 LOCK_ENV = "LORA_TUNE_LOCK_HELD"  # set for the ranks of a job whose launcher holds the lock
 
 
+def open_lock_file(path: Path, create: bool) -> int | None:
+    """A file descriptor on the lock file, opened without following a symbolic link (a link there
+    could point at any file of the user's, which the lock would then write into and truncate) and
+    only when it is a regular file; None when it does not exist and `create` is off (then it is
+    opened read-only: looking writes nothing)."""
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UserError(
+            f"--output-dir: {path} is a symbolic link (to {os.readlink(path)}); lora-tune never writes through links: remove it"
+        ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"--output-dir: {path} is not a regular file; remove it")
+    return fd
+
+
 def lock_holder(output_dir: Path) -> str | None:
     """Who holds the output folder's lock ("pid N on HOST since T"), or None. Writes nothing."""
     path = output_dir / LOCK_NAME
-    if os.environ.get(LOCK_ENV) == str(path.resolve()) or not path.is_file():
+    if os.environ.get(LOCK_ENV) == str(path.resolve()):
         return None
-    with open(path) as f:
+    fd = open_lock_file(path, create=False)
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return f.read().strip() or "another process"
+            return f.read(200).decode("utf-8", errors="replace").strip() or "another process"
         fcntl.flock(f, fcntl.LOCK_UN)
     return None
 
@@ -318,7 +392,8 @@ class OutputLock:
     """An exclusive flock on OUTPUT_DIR/.lora-tune.lock for as long as the run writes there.
 
     The kernel drops the lock when its process dies, however it dies, so a lock left by a killed
-    run never blocks the next one (the file is only a note of who held it last)."""
+    run never blocks the next one (the file is only a note of who held it last). The file is never
+    opened through a symbolic link, so the note can't land in (or truncate) anything else."""
 
     def __init__(self, output_dir: Path):
         self.path = output_dir / LOCK_NAME
@@ -328,26 +403,26 @@ class OutputLock:
         if os.environ.get(LOCK_ENV) == str(self.path.resolve()):
             return self  # our launcher holds it for the whole job
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")
+        f = os.fdopen(open_lock_file(self.path, create=True), "rb+")
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            holder = f.read().strip() or "another process"
+            holder = f.read(200).decode("utf-8", errors="replace").strip() or "another process"
             f.close()
             raise UserError(
                 f"--output-dir: {self.path.parent} is being written by another lora-tune run ({holder}); wait for it to end or "
                 "choose another --output-dir"
             ) from None
         f.seek(0)
-        previous = f.read().strip()
+        previous = f.read(200).decode("utf-8", errors="replace").strip()  # a note; a garbage one is taken over all the same
         if previous:
             logging.getLogger("lora_tune").info(
                 "took over the lock of %s, left by a run that is no longer running (%s)", self.path.parent, previous
             )
         f.seek(0)
         f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
         f.flush()
         self.file = f
         return self

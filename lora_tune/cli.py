@@ -61,6 +61,11 @@ def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
             choices = typing.get_args(kind)
             kw["metavar"] = "|".join(map(str, choices))
             kind = type(choices[0])  # validated by the schema, so the message is the same for YAML and flags
+            if {"on", "off"} <= set(choices):  # a switch with more settings: --x alone is on, --no-x off
+                parser.add_argument(flag(name, f), nargs="?", const="on", type=str, **kw)
+                off = dict(dest=name, action="store_const", const="off", default=argparse.SUPPRESS, help=f"{flag(name, f)} off")
+                parser.add_argument("--no-" + flag(name, f).removeprefix("--"), **off)
+                continue
         if is_list:
             kw["nargs"] = "+"
         if not isinstance(kind, type):  # e.g. a source: a string on the command line, a mapping only in YAML
@@ -260,6 +265,8 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         logging.getLogger("lora_tune").setLevel(logging.WARNING)
         resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
         return launcher.launch_job(cfg, without_flags(argv, "--nproc"), resume)
+    if os.environ.get(launcher.LAUNCHER_ENV, "").isdigit():  # a rank of our --nproc launcher: stop when it dies
+        distributed.stop_with_parent(int(os.environ[launcher.LAUNCHER_ENV]))
     try:
         run(cfg)
     except TrainingStopped as stop:
@@ -326,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except TrainingStopped as stop:  # a signal during the data stage or a merge: stopped cleanly
+        print(f"{stop.label}: {stop}", file=sys.stderr)
+        return stop.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -157,9 +157,20 @@ class TrainConfig(BaseModel):
         "cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup."
     )
     max_grad_norm: float = Field(1.0, ge=0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
-    gradient_checkpointing: bool = Field(
-        True, json_schema_extra=FREE, description="Recompute activations in backward (non-reentrant) to save memory."
+    gradient_checkpointing: Literal["on", "off", "auto"] = Field(
+        "auto",
+        json_schema_extra=FREE,
+        description="Recompute decoder layers' activations in backward (non-reentrant) to save memory: on (every layer), off, or "
+        "auto: the fewest layers such that the memory plan fits --memory-budget, the others keep their activations (on a CPU, "
+        "where there is no device budget, auto is on).",
     )
+    memory_budget: float | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=FREE,
+        description="GiB of GPU memory --gradient-checkpointing auto plans for. Default: the GPU's memory less 10%.",
+    )
+
     activation_offload: bool = Field(
         False,
         json_schema_extra=FREE,
@@ -306,6 +317,11 @@ class TrainConfig(BaseModel):
     def _sources(cls, v):
         return [v] if isinstance(v, (str, dict)) else v
 
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v):
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML true/false as before
+
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, v):
@@ -331,10 +347,18 @@ def flag(name: str, field=None) -> str:
 
 def read_yaml(path: str) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"config file {path} is a folder; pass a YAML file to --config")
     if not p.is_file():
         raise UserError(f"config file {path} does not exist; pass an existing YAML file to --config")
     try:
-        loaded = yaml.safe_load(p.read_text())
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"config file {path} is not text (not UTF-8); pass a YAML file to --config") from None
+    except OSError as e:
+        raise UserError(f"config file {path} is unreadable ({e.strerror or e})") from None
+    try:
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -397,14 +421,21 @@ def bounds(field) -> str:
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def parse_size(text: str | int, option: str) -> int:
-    """'5GB' -> 5_000_000_000, '100MiB' -> 104_857_600; plain integers are bytes."""
-    if isinstance(text, int):
-        return text
+def parse_size(text: str | int, option: str, hint: str = "") -> int:
+    """'5GB' -> 5_000_000_000, '100MiB' -> 104_857_600. A bare number is refused, not read as bytes:
+    people type `24` for 24 GB, and 24 bytes is never what they meant."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if m and not m.group(2):
+        raise UserError(f"{option}: {text!r} has no unit; write e.g. {m.group(1)}GB or {m.group(1)}GiB{hint}")
     if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"{option}: {text!r} is not a size; write e.g. 5GB, 500MB or 80GiB")
+        raise UserError(f"{option}: {text!r} is not a size; write e.g. 5GB, 500MB or 80GiB{hint}")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _size_text(v):
+    """A size given as a number (YAML `gpu_memory: 24`, the API's gpu_memory=24) reaches parse_size,
+    which refuses it with the hint, instead of failing as "not a string"."""
+    return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
 
 
 class MergeConfig(BaseModel):
@@ -420,11 +451,13 @@ class MergeConfig(BaseModel):
     dtype: Literal["bf16", "fp16", "fp32"] = Field(
         "bf16", description="Dtype of the merged weights (the arithmetic is fp32; one cast at the end)."
     )
-    max_shard_size: str = Field("5GB", description="Largest output shard, e.g. 5GB or 500MB.")
+    max_shard_size: str = Field("5GB", description="Largest output shard with its unit, e.g. 5GB or 500MB (a bare number is refused).")
     verify: bool = Field(True, description="Check merged weights for NaN/inf and compare merged vs base + adapter outputs.")
     overwrite: bool = Field(False, description="Replace a non-empty --output folder.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub during verification.")
     verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")
+
+    _sizes = field_validator("max_shard_size", mode="before")(_size_text)
 
 
 class ReportConfig(BaseModel):
@@ -446,13 +479,19 @@ class PlanConfig(TrainConfig):
     nodes: int = Field(1, gt=0, description="Nodes.")
     gpu_memory: str = Field(
         "a100-80",
-        description="Memory per GPU: a size (80GB, 24GiB) or a GPU name: t4, l4, a10g, rtx3090, rtx4090, a100-40, a100-80, h100-80, h200.",
+        description="Memory per GPU: a size with its unit (80GB, 24GiB; a bare number such as 24 is refused, never read as bytes) "
+        "or a GPU name: t4, l4, a10g, rtx3090, rtx4090, a100-40, a100-80, h100-80, h200 (also as people shorten them: 4090, "
+        "h100, a100-80gb).",
     )
-    cpu_memory: str | None = Field(None, description="Host memory per node (e.g. 512GB); checked when given.")
+    cpu_memory: str | None = Field(
+        None, description="Host memory per node with its unit (e.g. 512GB; a bare number is refused); checked when given."
+    )
     print_json: bool = Field(False, json_schema_extra={"flag": "--json"}, description="Print the estimate as JSON (bytes per device).")
     auto: bool = Field(
         False, description="Search precision x ZeRO x offload x checkpointing x micro-batch for the fastest setup that fits."
     )
+
+    _sizes = field_validator("gpu_memory", "cpu_memory", mode="before")(_size_text)
 
 
 class ExportConfig(BaseModel):

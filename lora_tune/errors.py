@@ -3,6 +3,14 @@ use": `error: ...`, exit code 2) and `TrainingStopped` (a run that ended early b
 own exit code). Anything else is a bug and keeps its traceback."""
 
 import difflib
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
+# Every character str.splitlines() breaks on, written as its escape: a quoted key or value can't
+# turn the one `error:` line into two.
+ESCAPED_BREAKS = {ord(c): repr(c)[1:-1] for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"}
 
 
 class UserError(Exception):
@@ -12,7 +20,7 @@ class UserError(Exception):
     """
 
     def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
+        super().__init__(message.translate(ESCAPED_BREAKS))  # one line, whatever the input it quotes holds
         self.exit_code = exit_code
 
 
@@ -36,3 +44,28 @@ class TrainingStopped(Exception):
         super().__init__(message)
         self.exit_code = exit_code
         self.label = label
+
+
+@contextmanager
+def sigterm_stops(doing: str, outcome: str):
+    """While the block runs, SIGTERM raises TrainingStopped (exit 143: "stopped by SIGTERM while
+    DOING; OUTCOME") instead of ending the process on the spot, so the block's `finally` clauses
+    remove what it had half written. Only in the main thread of the process that entered it
+    (forked workers keep the default), and never where SIGTERM is ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    owner = os.getpid()
+
+    def stop(signum, frame):  # noqa: ARG001 - signal handler signature
+        if os.getpid() != owner:  # a forked worker (datasets' tokenizing pool) being terminated: die as usual
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise TrainingStopped(f"stopped by SIGTERM while {doing}; {outcome}", 143)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
-from lora_tune import engines, evaluation, objectives, planner, serving
-from lora_tune.adapter import Inventory, Targets, peft_exact_targets, resolve_targets
+from lora_tune import engines, evaluation, objectives, planner, serving, shards
+from lora_tune.adapter import Checkpointing, Inventory, Targets, peft_exact_targets, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
@@ -45,11 +46,21 @@ from lora_tune.model_loading import (
 from lora_tune.model_structure import meta_model, model_class
 from lora_tune.objectives import Objective
 from lora_tune.planner.architecture import unquantized_experts
-from lora_tune.planner.memory import GIB, Estimate, Setup
+from lora_tune.planner.memory import GIB, Estimate, Setup, recomputed_layers
+from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed
+from lora_tune.planner.speed import checkpointing_cost
 
 log = logging.getLogger("lora_tune")
 
 RUN_FILES = ("lora_tune_config.yaml", "adapter_config.json", "metrics.jsonl")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+# A finished run whose checkpoints are gone: nothing to continue from, and its adapter must not be
+# overwritten by a run from step 0. Formatted with out=OUTPUT_DIR.
+FINISHED_RUN = (
+    "--resume: {out} holds a finished run but no checkpoint to continue from (they were deleted), and resuming would "
+    "start from step 0 over it; the adapter in {out} is complete; to train further, start a new run from it: "
+    "--init-adapter {out} --output-dir NEW"
+)
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,7 @@ class RunInputs:
     saved_state: dict | None  # its trainer_state.json
     base_path: str  # what from_pretrained takes
     base_id: str  # what the adapter records as its base
+    base_fingerprint: str | None  # of its config and safetensors headers (None: a hub id not in the local cache)
     tokenizer: object
     device: torch.device
     targets: Targets | None  # None: remote code, resolved on the loaded model
@@ -100,16 +112,37 @@ class RunInputs:
     plan: MemoryPlan | None  # None when the architecture can't be read offline
     objective: Objective
     reference: ReferencePlan | None  # how the reference log-probabilities are computed (objectives that compare with one)
+    checkpointing: Checkpointing  # which decoder layers recompute their activations
 
 
 def math_config(cfg: TrainConfig) -> dict:
     return {k: getattr(cfg, k) for k in TrainConfig.math_keys()}
 
 
+def run_world_size(cfg: TrainConfig) -> int:
+    """The number of processes this run trains with: the launcher's world inside a job, else the
+    processes --nproc will start (or one)."""
+    return dist.world_size() if dist.launched() else (cfg.nproc or 1)
+
+
 def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
     return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * dist.world_size())))
+
+
+def writable_folder(out: Path, option: str) -> None:
+    """Refuse, before anything is loaded, an output folder that can't be created or written: one
+    under a file, on a read-only file system or without write permission. Writes nothing."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{option}: {out} would be inside {existing}, which is a file; give a folder")
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:
+        raise UserError(f"{option}: {existing} is on a read-only file system; choose another {option}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"{option}: {existing} is not writable (permission denied); choose another {option}")
 
 
 def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
@@ -122,6 +155,16 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
         # Rank 0 judges the folder (and takes its lock) for the job; by the time another rank looks,
         # rank 0 may already have written this run's first files there.
         return out, complete[-1] if cfg.resume and complete else None
+    writable_folder(out, "--output-dir")
+    links = sorted(p.name for p in out.iterdir() if p.is_symlink() and not ckpt.is_checkpoint_name(p.name)) if out.is_dir() else []
+    if links:
+        raise UserError(
+            f"--output-dir: {out / links[0]} is a symbolic link; lora-tune never writes through links in its output folder (they "
+            "could point at anyone's files): remove it, or choose another --output-dir"
+        )
+    odd = [name for name in (*RUN_FILES, *ADAPTER_FILES, ckpt.LOCK_NAME) if (out / name).exists() and not (out / name).is_file()]
+    if odd:
+        raise UserError(f"--output-dir: {out / odd[0]} is not a file (a folder?); lora-tune writes a file there: remove it")
     holder = ckpt.lock_holder(out)
     if holder:
         raise UserError(
@@ -133,8 +176,10 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
             raise UserError(f"--output-dir: {out} already holds a run; pass --resume to continue it, or choose another --output-dir")
         return out, None
     if not complete:
+        if all((out / f).is_file() for f in ADAPTER_FILES):
+            raise UserError(FINISHED_RUN.format(out=out))
         ckpt.remove_leftovers(out)
-        if holds_run:
+        if holds_run or (out / ckpt.LOCK_NAME).is_file():  # the lock alone: killed while loading, before writing anything
             # Killed before its first checkpoint: there is nothing to lose, so start over.
             log.warning("no complete checkpoint in %s (%d incomplete ignored); starting from step 0", out, len(incomplete))
             return out, None
@@ -148,14 +193,62 @@ def check_output_dir(cfg: TrainConfig) -> tuple[Path, Path | None]:
     return out, complete[-1]
 
 
-def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir: Path) -> dict:
-    """The checkpoint's trainer state, when the math it was trained with is the math asked for now."""
-    state = ckpt.read_json(checkpoint_dir / "trainer_state.json")
+def check_not_a_model(out: Path, base_path: str) -> None:
+    """The output folder is never the base model's folder, nor inside it, nor another model's
+    folder: a run writes its tokenizer and adapter files there, which would change what
+    `from_pretrained` loads from it. Refused whatever the other options say."""
+    base = Path(base_path)
+    if base.is_dir():
+        base, target = base.resolve(), out.resolve()
+        if target == base or base in target.parents:
+            where = "is the base model's folder" if target == base else f"is inside the base model's folder {base}"
+            raise UserError(f"--output-dir: {out} {where}; a run writes its own files there. Choose a folder outside the base model")
+    files = sorted(out.iterdir()) if out.is_dir() else []
+    weights = [p.name for p in files if p.suffix in (".safetensors", ".bin") and not p.name.startswith("adapter_")]
+    if (out / "config.json").is_file() and weights:
+        raise UserError(
+            f"--output-dir: {out} holds a model ({weights[0]}, config.json), not a lora-tune run; choose an empty folder or a "
+            "new one for the run"
+        )
+
+
+def base_fingerprint(cfg: TrainConfig, base_path: str) -> str | None:
+    """Checks the base's weights before loading and returns what identifies them: its config.json
+    and each safetensors file's name, size and header (validated against the file's size, so a
+    truncated or garbage shard is named now). A hub id is looked up in the local cache; None when
+    it isn't there yet (from_pretrained will download it)."""
+    folder = Path(base_path)
+    if not folder.is_dir():
+        cached = try_to_load_from_cache(base_path, "config.json")
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+        files = shards.shard_files(folder)
+        if files is None or not all(p.is_file() for p in files):
+            return None  # not all downloaded yet: from_pretrained fetches the rest
+    if shards.shard_files(folder) is None:
+        bins = sorted(folder.glob("*.bin"))
+        if not bins or not cfg.allow_bin:
+            return None  # the loader names what is missing (or asks for --allow-bin)
+        return shards.fingerprint(folder, bins)
+    return shards.fingerprint(folder)
+
+
+def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir: Path, base: str | None = None) -> dict:
+    """The checkpoint's trainer state, when the math it was trained with is the math asked for now:
+    the same settings, data content, base weights (by content: a base moved or renamed is the same
+    base; one changed in place is not) and world size."""
+    state = ckpt.read_trainer_state(checkpoint_dir / "trainer_state.json")
     saved = state.get("math_config", {})
     now = math_config(cfg)
     differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if state.get("data_fingerprint") != data.fingerprint:
         differing.append("data content (fingerprint)")
+    if state.get("base_fingerprint") and base:
+        if "base" in differing and state["base_fingerprint"] == base:
+            differing.remove("base")  # the same weights under another name or path
+        elif state["base_fingerprint"] != base:
+            differing.append("base model content (config and weights' fingerprint)")
     if differing and not cfg.allow_config_change:
         details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" if k in now else k for k in differing)
         raise UserError(
@@ -164,7 +257,26 @@ def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir
         )
     if differing:
         log.warning("resuming with changed settings (--allow-config-change): %s", ", ".join(differing))
+    check_world_size(cfg, state, checkpoint_dir)
     return state
+
+
+def check_world_size(cfg: TrainConfig, state: dict, checkpoint_dir: Path) -> None:
+    """A resume is exact only with the world size the checkpoint was written with: each optimizer
+    step is grad_accum x world micro-batches, dealt round-robin to the ranks, and every rank saved
+    its own part of the optimizer state (split over the ranks by each multi-process backend), which
+    can't be dealt out again to another number of ranks. So "provably the same" is: the same world
+    size. Not overridable by --allow-config-change: the state itself would not match."""
+    saved, now = int(state.get("world_size", 1)), run_world_size(cfg)
+    if saved == now:
+        return
+    ga = cfg.grad_accum
+    raise UserError(
+        f"--resume: {checkpoint_dir} was written by {saved} process(es) and this run has {now}: each step would be {ga} x {now} "
+        f"micro-batches instead of {ga} x {saved}, and each process saved its own shard of the optimizer state, which only "
+        f"the same number of processes can load (the one case where a resume provably computes the same run). Resume with "
+        f"--nproc {saved} (or launch {saved} processes)"
+    )
 
 
 def lora_targets(cfg: TrainConfig, config) -> Targets | None:
@@ -203,7 +315,7 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     if reason:
         log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
         chunk = 0
-    if cfg.activation_offload and not cfg.gradient_checkpointing:
+    if cfg.activation_offload and cfg.gradient_checkpointing == "off":
         raise UserError("--activation-offload moves the inputs that gradient checkpointing keeps: it needs --gradient-checkpointing")
     if cfg.activation_offload and device.type != "cuda":
         raise UserError(f"--activation-offload needs a CUDA GPU (on {device} the activations already live in host memory); leave it out")
@@ -232,6 +344,33 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
 
 
+def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
+    """--gradient-checkpointing auto: the fewest checkpointed layers whose plan fits the budget
+    (--memory-budget, else the GPU's memory less 10%); every layer on a CPU without a budget."""
+    if cfg.memory_budget is not None:
+        budget, source = int(cfg.memory_budget * GIB), f"--memory-budget {cfg.memory_budget:g} GiB"
+    elif device.type == "cuda":
+        budget = int(BUDGET_SHARE * device_memory_bytes(device))
+        source = f"{BUDGET_SHARE:.0%} of {device_memory_bytes(device) / GIB:.1f} GiB"
+    else:
+        log.info("gradient checkpointing (auto): every layer (no device memory budget on %s; --memory-budget sets one)", device)
+        return setup
+    chosen = fewest_checkpointed(arch, setup, budget)
+    need = planner.estimate(arch, chosen).per_device["total_bytes"] / GIB
+    recomputed = recomputed_layers(arch, chosen)
+    gain = 1 - checkpointing_cost(chosen, arch.layers) / checkpointing_cost(setup, arch.layers)
+    log.info(
+        "gradient checkpointing (auto): %d of %d decoder layers recomputed, the rest keep their activations (plan %.2f GiB "
+        "within %s; step time %.0f%% below checkpointing every layer)",
+        recomputed,
+        arch.layers,
+        need,
+        source,
+        100 * gain,
+    )
+    return chosen
+
+
 def preflight(cfg: TrainConfig, device: torch.device):
     """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
     when it will not fit. None when the architecture can't be read offline."""
@@ -241,6 +380,8 @@ def preflight(cfg: TrainConfig, device: torch.device):
         log.info("memory plan skipped: %s", e)
         return None
     setup = planner.setup_from(cfg)
+    if cfg.gradient_checkpointing == "auto":
+        setup = auto_checkpointing(cfg, arch, setup, device)
     estimate = planner.estimate(arch, setup)
     need, have = estimate.per_device["total_bytes"], device_memory_bytes(device)
     log.info("memory plan: %.2f GiB of %.2f GiB on %s", need / GIB, have / GIB, device)
@@ -263,9 +404,10 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, base_id: str, trained: int, per_epoch: int):
+def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, base: list, trained: int, per_epoch: int):
     """Where this run's reference log-probabilities come from, said in the log. Keyed for the cache
-    by what they depend on: the data, the base, the starting adapter, the compute precision."""
+    by what they depend on: the data, the base (its id and content fingerprint), the starting
+    adapter, the compute precision."""
     if not objective.reference:
         return None
     if cfg.init_adapter and cfg.reference == "per-step":
@@ -276,7 +418,7 @@ def reference_plan(cfg: TrainConfig, objective: Objective, data: PreparedData, b
     cache = None
     if cfg.data_cache:
         adapter = file_digest(Path(cfg.init_adapter).expanduser() / "adapter_model.safetensors") if cfg.init_adapter else None
-        key = hashlib.sha256(json.dumps([data.fingerprint, base_id, adapter, cfg.precision, cfg.max_seq_len]).encode()).hexdigest()[:24]
+        key = hashlib.sha256(json.dumps([data.fingerprint, *base, adapter, cfg.precision, cfg.max_seq_len]).encode()).hexdigest()[:24]
         cache = data_cache_root(cfg) / "reference" / f"{key}.safetensors"
     mode = objectives.reference_mode(cfg, objective, trained, per_epoch, cached=cache is not None and cache.is_file())
     why = {
@@ -328,20 +470,25 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     engines.check_compatibility(cfg)
     objectives.check_options(cfg)
     check_reporter(cfg.report_to)
-    output_dir, resume_from = check_output_dir(cfg)
     base_path = resolve_base(cfg.base)
     base_id = base_path if not Path(base_path).is_dir() else str(Path(base_path).resolve())
+    check_not_a_model(Path(cfg.output_dir).expanduser(), base_path)
+    output_dir, resume_from = check_output_dir(cfg)
+    fingerprint = base_fingerprint(cfg, base_path)
     tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, quant_method(config))
     dequantizing(config, cfg.precision)  # a pre-quantized checkpoint that can't be trained this way: one line now
-    reason = checkpointing_refusal(config) if cfg.gradient_checkpointing else None
+    reason = checkpointing_refusal(config) if cfg.gradient_checkpointing != "off" else None
+    if reason and cfg.gradient_checkpointing == "on":
+        raise UserError(f"--gradient-checkpointing on: {reason}; use --gradient-checkpointing off (or auto)")
     if reason:
         log.warning(
-            "gradient checkpointing off: %s; every layer's activations are kept (pass --no-gradient-checkpointing to silence this)", reason
+            "gradient checkpointing off: %s; every layer's activations are kept (pass --gradient-checkpointing off to silence this)",
+            reason,
         )
-        cfg = cfg.model_copy(update={"gradient_checkpointing": False})
+        cfg = cfg.model_copy(update={"gradient_checkpointing": "off"})
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)
@@ -352,7 +499,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     for line in data.per_source if len(data.per_source) > 1 else []:
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
-    saved_state = check_resume_compatible(cfg, data, resume_from) if resume_from else None
+    saved_state = check_resume_compatible(cfg, data, resume_from, fingerprint) if resume_from else None
     objective = objectives.of(cfg)
     row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
     batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)
@@ -366,7 +513,8 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
             100 * tokens / (batches.n_rows * row),
         )
     steps = total_steps(cfg, len(batches))
-    reference = reference_plan(cfg, objective, data, base_id, steps * cfg.grad_accum * dist.world_size(), len(batches))
+    plan = preflight(cfg, device)
+    reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,
         output_dir=output_dir,
@@ -374,6 +522,7 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         saved_state=saved_state,
         base_path=base_path,
         base_id=base_id,
+        base_fingerprint=fingerprint,
         tokenizer=tokenizer,
         device=device,
         targets=targets,
@@ -382,7 +531,8 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         eval_prompts=eval_prompts,
         batches=batches,
         total_steps=steps,
-        plan=preflight(cfg, device),
+        plan=plan,
         objective=objective,
         reference=reference,
+        checkpointing=Checkpointing(plan.setup.gradient_checkpointing, plan.setup.kept_layers) if plan else Checkpointing.of(cfg),
     )

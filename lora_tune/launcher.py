@@ -21,7 +21,7 @@ from lora_tune import checkpoint as ckpt
 from lora_tune.distributed import LOST_PEER_EXIT
 from lora_tune.inputs import check_inputs
 
-LAUNCHER_ENV = "LORA_TUNE_LAUNCHER"  # set for the ranks our launcher starts
+LAUNCHER_ENV = "LORA_TUNE_LAUNCHER"  # set for the ranks our launcher starts: the launcher's pid
 
 
 def launch_job(cfg, args: list[str], resume_command: str) -> int:
@@ -50,7 +50,7 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "LOCAL_SIZE": str(nproc),
-        LAUNCHER_ENV: "1",
+        LAUNCHER_ENV: str(os.getpid()),  # the ranks stop when this process dies (distributed.stop_with_parent)
     }
     # Like torchrun: N ranks each using every core would oversubscribe the machine.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))

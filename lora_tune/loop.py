@@ -124,7 +124,11 @@ class TrainingLoop:
                 "reference log-probabilities of %d + %d units computed in %.1f s", len(data.train), len(data.eval), time.perf_counter() - t0
             )
             if plan.cache is not None and dist.is_main():
-                write_reference(plan.cache, tables)
+                try:
+                    write_reference(plan.cache, tables)
+                except OSError as e:  # a read-only or full cache: the run keeps its own copy below
+                    where, why = plan.cache.parent, e.strerror or e
+                    log.warning("reference log-probabilities not cached in %s (%s); this run keeps its own copy", where, why)
         if dist.is_main() and not own.is_file():
             self.inputs.output_dir.mkdir(parents=True, exist_ok=True)
             write_reference(own, tables)
@@ -349,6 +353,7 @@ class TrainingLoop:
                 "micro_batches_done": self.state.step * self.cfg.grad_accum * dist.world_size(),
                 "world_size": dist.world_size(),
                 "data_fingerprint": self.inputs.data.fingerprint,
+                "base_fingerprint": self.inputs.base_fingerprint,
                 "math_config": math_config(self.cfg),
             },
         )

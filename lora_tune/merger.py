@@ -39,12 +39,13 @@ from safetensors.torch import load_file
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
+from lora_tune import checkpoint as ckpt
 from lora_tune import shards
 from lora_tune.adapter import lora_layers
 from lora_tune.aliases import resolve_base
 from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.config import MergeConfig, parse_size
-from lora_tune.errors import UserError, first_line
+from lora_tune.errors import UserError, first_line, sigterm_stops
 from lora_tune.model_loading import dequantizing, load_config, quant_method
 from lora_tune.model_structure import auto_class, meta_model, model_class, text_ids
 
@@ -90,15 +91,55 @@ def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not config_path.is_file() or not weights_path.is_file():
         raise UserError(f"--adapter: {adapter_dir} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_bytes())
         weights = load_file(str(weights_path))
-    except (json.JSONDecodeError, SafetensorError, OSError) as e:
-        raise UserError(f"--adapter: {adapter_dir} is unreadable or truncated ({e})") from None
-    if config.get("peft_type") != "LORA":
-        raise UserError(f"--adapter: {adapter_dir} holds a {config.get('peft_type')} adapter; only LoRA adapters can be merged")
+    except (ValueError, SafetensorError, OSError) as e:  # ValueError: bad JSON or not UTF-8
+        raise UserError(f"--adapter: {adapter_dir} is unreadable or truncated ({first_line(e)})") from None
+    check_adapter_config(config, config_path)
     if not weights:
         raise UserError(f"--adapter: {weights_path} is empty (the ZeRO-3 save bug); retrain or re-save the adapter")
     return config, weights
+
+
+def check_adapter_config(config, path: Path) -> None:
+    """The fields the merge computes with, each of the type and range peft gives it; anything else
+    is named in one line before a tensor is read."""
+
+    def bad(what: str) -> UserError:
+        return UserError(f"--adapter: {path} {what}; it is not a LoRA adapter config peft wrote (fix it or re-save the adapter)")
+
+    def is_number(v, positive: bool = False) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 if positive else True)
+
+    if not isinstance(config, dict):
+        raise bad(f"holds a JSON {type(config).__name__}, not an object")
+    if config.get("peft_type") != "LORA":
+        raise UserError(f"--adapter: {path.parent} holds a {config.get('peft_type')} adapter; only LoRA adapters can be merged")
+    r = config.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise bad(f"has r = {r!r}; the rank must be a positive integer")
+    if "lora_alpha" not in config:
+        raise bad("has no lora_alpha (the scale is lora_alpha / r)")
+    if not is_number(config["lora_alpha"]):
+        raise bad(f"has lora_alpha = {config['lora_alpha']!r}; it must be a number")
+    for key, positive in (("rank_pattern", True), ("alpha_pattern", False)):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise bad(f"has {key} = {patterns!r}; it must map module names to numbers")
+        for name, value in patterns.items():
+            if key == "rank_pattern" and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise bad(f"has {key}[{name!r}] = {value!r}; a rank must be a positive integer")
+            if not is_number(value, positive):
+                raise bad(f"has {key}[{name!r}] = {value!r}; it must be a number")
+    for key in ("use_rslora", "fan_in_fan_out", "use_dora"):
+        if not isinstance(config.get(key, False), bool):
+            raise bad(f"has {key} = {config[key]!r}; it must be true or false")
+    targets = config.get("target_parameters")
+    if targets is not None and not (isinstance(targets, list) and all(isinstance(t, str) for t in targets)):
+        raise bad(f"has target_parameters = {targets!r}; it must be a list of names")
+    base = config.get("base_model_name_or_path")
+    if base is not None and not isinstance(base, str):
+        raise bad(f"has base_model_name_or_path = {base!r}; it must be a string")
 
 
 def pattern_value(patterns: dict, module_name: str, default):
@@ -529,23 +570,59 @@ def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig
     return drift if cfg.verify else None
 
 
+def check_apart(out: Path, folder: Path, what: str) -> None:
+    """--output is never the adapter's or the base's folder, nor inside one, nor around one: the
+    merge (with --overwrite, the swap) would delete its own input. --overwrite does not change that."""
+    out_r, folder_r = out.resolve(), folder.resolve()
+    if out_r == folder_r:
+        relation = "is"
+    elif folder_r in out_r.parents:
+        relation = "is inside"
+    elif out_r in folder_r.parents:
+        relation = "contains"
+    else:
+        return
+    raise UserError(
+        f"--output: {out} {relation} the {what} folder {folder}; merge never writes there, --overwrite or not (it would destroy "
+        "its own input). Choose another --output"
+    )
+
+
 def prepare_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
+    """Refuses an --output that can't be written or would replace something without --overwrite;
+    removes the temporary folders that a merge killed outright (SIGKILL) left beside it."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == out and not out.is_dir():
         raise UserError(f"--output: {out} is a file; give a folder")
+    if not existing.is_dir():
+        raise UserError(f"--output: {out} would be inside {existing}, which is a file; give a folder")
+    parent = out.parent if out.parent.exists() else existing
+    if os.statvfs(parent).f_flag & os.ST_RDONLY or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--output: {parent} can't be written (read-only or no permission); choose another --output")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise UserError(f"--output: {out} is not empty; choose another folder or pass --overwrite")
+    if out.parent.is_dir():
+        for left in out.parent.glob(f".{out.name}.*-*"):
+            kind, _, pid = left.name.removeprefix(f".{out.name}.").partition("-")
+            if kind in ("tmp", "old") and pid.isdigit() and not ckpt.pid_alive(pid):
+                log.info("removing %s, left by a merge that was killed", left)
+                ckpt.remove_tree(left)
 
 
 def run(cfg: MergeConfig) -> Path:
     adapter_dir = Path(cfg.adapter).expanduser()
     out = Path(cfg.output).expanduser()
     max_bytes = parse_size(cfg.max_shard_size, "--max-shard-size")
-    prepare_output(out, cfg.overwrite)
+    check_apart(out, adapter_dir, "adapter")
     config, weights = read_adapter(adapter_dir)
     base_ref = cfg.base or config.get("base_model_name_or_path")
     if not base_ref:
         raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
     base = base_folder(base_ref)
+    check_apart(out, base, "base model")
+    prepare_output(out, cfg.overwrite)
     dtype = OUT_DTYPE[cfg.dtype]
     base_files = shards.weight_files(base)
     quantized = quant_method(load_config(str(base), cfg.trust_remote_code))
@@ -609,7 +686,12 @@ def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) ->
     """Run `write(tmp)` (-> drift, or None when not verified) into a hidden temporary folder, add
     the side files, check the drift, and only then put the folder in place."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    with sigterm_stops(f"merging into {out}", "nothing was written. Run the same command again"):
+        return _finish(out, tmp, write, base, adapter_dir, cfg)
+
+
+def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) -> Path:
+    ckpt.remove_tree(tmp)
     tmp.mkdir(parents=True)
     try:
         write_side_files(base, adapter_dir, tmp, cfg.dtype)  # first: verification loads the folder
@@ -626,18 +708,18 @@ def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) ->
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
             os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            ckpt.remove_tree(old)
         else:
             os.replace(tmp, out)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt.remove_tree(tmp)
         raise UserError(
             f"--output: could not write the merged model under {out.parent} ({e.strerror or e}); nothing was left behind. Free "
             "space or choose another --output",
             exit_code=1,
         ) from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt.remove_tree(tmp)
         raise
     log.info("merged model written to %s", out)
     return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import resource
 import sys
@@ -14,6 +15,8 @@ import torch
 from tqdm import tqdm
 
 from lora_tune.errors import UserError
+
+log = logging.getLogger("lora_tune")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -43,14 +46,45 @@ def check_reporter(report_to: str) -> None:
         raise UserError(f"--report-to {report_to}: the '{module}' package is not installed; pip install {module}, or use --report-to none")
 
 
+def parse_record(line: str) -> dict | None:
+    """One metrics line as its record, or None when it is not one: torn (a process killed while
+    appending it), garbage, not an object, or a step that is not a number."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    step = record.get("step", 0)
+    return record if isinstance(step, (int, float)) and not isinstance(step, bool) else None
+
+
+def read_records(path: Path, with_lines: bool = False) -> tuple[list, list[int]]:
+    """(records, numbers of the lines that are not records) of a metrics.jsonl; blank lines are
+    neither. `with_lines`: records as (line, record)."""
+    records, bad = [], []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    for n, line in enumerate(text.splitlines(), start=1):
+        if line.strip():
+            record = parse_record(line)
+            if record is None:
+                bad.append(n)
+            else:
+                records.append((line, record) if with_lines else record)
+    return records, bad
+
+
 class MetricsLog:
     def __init__(self, output_dir: Path, report_to: str, config: dict, resume_step: int | None, callback=None):
         self.callback = callback
         self.path = output_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
-            # Lines written after the checkpoint we resume from belong to steps that will be redone.
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            # Lines written after the checkpoint we resume from belong to steps that will be redone; a
+            # line that is not a record (torn by a kill mid-append) is dropped, and said.
+            records, bad = read_records(self.path, with_lines=True)
+            if bad:
+                log.info("metrics: dropped %d unreadable line(s) of %s (line %s; torn by a killed process)", len(bad), self.path, bad[-1])
+            self.path.write_text("".join(line + "\n" for line, r in records if r.get("step", 0) <= resume_step))
         self.file = self.path.open("a")
         self.tb = self.wandb = None
         if report_to == "tensorboard":

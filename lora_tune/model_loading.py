@@ -39,7 +39,7 @@ def load_tokenizer(base_path: str, trust_remote_code: bool = False):
         log.warning("trust_remote_code is on: code from %s will run on this machine", base_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(base_path, trust_remote_code=trust_remote_code)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # ValueError: a tokenizer file that is not JSON, not UTF-8, or not a tokenizer
         raise UserError(
             f"--base: could not load a tokenizer from {base_path} ({first_line(e)}); check the id/path, your network or HF_TOKEN"
         ) from None

@@ -44,7 +44,8 @@ class Recipe:
         engine = engines.create(cfg, inputs.device)
 
         def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
-            return inputs.objective.loss_module(add_lora(base, cfg, inputs.base_id, inputs.targets), inputs.levers.loss_chunk_size, cfg)
+            peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing)
+            return inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
 
         model = engine.load(inputs.base_path, loss_module)
         if inputs.resume_from:

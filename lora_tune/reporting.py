@@ -4,61 +4,83 @@ optional extra (`pip install "lora-tune[report]"`)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
+import os
 from pathlib import Path
 
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
 from lora_tune.evaluation import read_results, table
+from lora_tune.metrics import read_records
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl; lines that are not records (a line torn by a killed
+    process, garbage) are skipped, and said."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise UserError(f"report: {run_dir} has no metrics.jsonl; point it at a folder written by `lora-tune train`")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise UserError(f"report: {path} line {n} is not valid JSON") from None
+    try:
+        rows, bad = read_records(path)
+    except OSError as e:
+        raise UserError(f"report: {path} is unreadable ({e.strerror or e})") from None
+    if bad:
+        lines = ", ".join(map(str, bad[:5])) + (", ..." if len(bad) > 5 else "")
+        print(f"note: skipped {len(bad)} unreadable line(s) of {path} (line {lines})")
     if not any("loss" in r for r in rows):
-        raise UserError(f"report: {path} holds no training steps yet")
+        unreadable = f" ({len(bad)} unreadable line(s) skipped)" if bad else ""
+        raise UserError(f"report: {path} holds no training steps yet{unreadable}")
     return rows
 
 
 def number(v) -> float:
-    return float(v) if isinstance(v, (int, float)) else math.nan  # "nan"/"inf" are logged as strings
+    if isinstance(v, bool):
+        return math.nan
+    if isinstance(v, (int, float)):
+        return float(v)
+    try:
+        return float(v)  # "nan"/"inf" are logged as strings
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def summary(rows: list[dict]) -> str:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    speeds = [number(r["tokens_per_s"]) for r in steps[1:] or steps]  # the first step includes warm-up
+    speeds = [number(r.get("tokens_per_s")) for r in steps[1:] or steps]  # the first step includes warm-up
+    speeds = [v for v in speeds if math.isfinite(v)] or [math.nan]
+    peaks = [v for v in (number(r.get("peak_memory_bytes")) for r in steps) if math.isfinite(v)] or [math.nan]
+    tokens = number(steps[-1].get("tokens_seen", 0))
     lines = [
-        f"steps: {steps[-1]['step']}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
-        f"tokens: {steps[-1].get('tokens_seen', 0):,}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; "
-        f"peak memory {max(r.get('peak_memory_bytes', 0) for r in steps) / 2**30:.2f} GiB",
+        f"steps: {steps[-1].get('step')}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
+        f"tokens: {tokens:,.0f}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; peak memory {max(peaks) / 2**30:.2f} GiB",
     ]
     if evals:
-        best = min(evals, key=lambda r: number(r["eval_loss"]))
-        ppl = f" (perplexity {number(evals[-1]['eval_ppl']):.2f})" if "eval_ppl" in evals[-1] else ""
+        best = min(evals, key=lambda r: number(r["eval_loss"]) if math.isfinite(number(r["eval_loss"])) else math.inf)
+        ppl = f" (perplexity {number(evals[-1].get('eval_ppl')):.2f})" if "eval_ppl" in evals[-1] else ""
         last = number(evals[-1]["eval_loss"])
-        lines.append(f"eval loss: last {last:.4f}{ppl}; best {number(best['eval_loss']):.4f} at step {best['step']}")
+        lines.append(f"eval loss: last {last:.4f}{ppl}; best {number(best['eval_loss']):.4f} at step {best.get('step')}")
     if REWARDS in steps[-1]:  # a preference objective
         held_out = f" (eval {number(evals[-1]['eval_' + REWARDS]):.3f})" if evals and "eval_" + REWARDS in evals[-1] else ""
         lines.append(
             f"rewards: accuracy last {number(steps[-1][REWARDS]):.3f}{held_out}; margin {number(steps[-1].get('rewards/margins')):.3f}"
         )
-    skipped = sum(1 for r in steps if r.get("skipped"))
+    skipped = sum(1 for r in steps if r.get("skipped") is True)
     if skipped:
         lines.append(f"skipped steps (NaN/inf): {skipped}")
-    samples = [r for r in rows if "samples" in r]
+    samples = [r for r in rows if sample_of(r)]
     if samples:
-        s = samples[-1]["samples"][0]
-        lines.append(f"last sample (step {samples[-1]['step']}): {s['prompt'][-60:]!r} -> {s['completion'][:160]!r}")
+        s = sample_of(samples[-1])
+        lines.append(f"last sample (step {samples[-1].get('step')}): {s['prompt'][-60:]!r} -> {s['completion'][:160]!r}")
     return "\n".join(lines)
+
+
+def sample_of(record: dict) -> dict | None:
+    """The first sample generation of a record, when it has one of the shape train writes."""
+    samples = record.get("samples")
+    first = samples[0] if isinstance(samples, list) and samples else None
+    ok = isinstance(first, dict) and all(isinstance(first.get(k), str) for k in ("prompt", "completion"))
+    return first if ok else None
 
 
 REWARDS = "rewards/accuracies"  # logged by the preference objectives (TRL's name)
@@ -89,13 +111,13 @@ def draw(axes: dict, rows: list[dict]) -> None:
     panel also shows the eval loss."""
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    x = [r["step"] for r in steps]
+    x = [number(r.get("step")) for r in steps]
     for key, ax in axes.items():
         title, scale = PANELS[key]
         ax.clear()
         ax.plot(x, [number(r.get(key)) / scale for r in steps], label="train loss" if key == "loss" else None)
         if key == "loss" and evals:
-            ax.plot([r["step"] for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
+            ax.plot([number(r.get("step")) for r in evals], [number(r["eval_loss"]) for r in evals], "o-", label="eval loss")
         if key == "loss":
             ax.legend()
         ax.set_title(title)
@@ -108,11 +130,11 @@ def draw_rewards(ax, rows: list[dict]) -> None:
     steps = [r for r in rows if REWARDS in r]
     evals = [r for r in rows if "eval_" + REWARDS in r]
     ax.clear()
-    ax.plot([r["step"] for r in steps], [number(r[REWARDS]) for r in steps], label="reward accuracy")
+    ax.plot([number(r.get("step")) for r in steps], [number(r[REWARDS]) for r in steps], label="reward accuracy")
     if evals:
-        ax.plot([r["step"] for r in evals], [number(r["eval_" + REWARDS]) for r in evals], "o-", label="eval reward accuracy")
+        ax.plot([number(r.get("step")) for r in evals], [number(r["eval_" + REWARDS]) for r in evals], "o-", label="eval reward accuracy")
     margins = ax.twinx()
-    margins.plot([r["step"] for r in steps], [number(r.get("rewards/margins")) for r in steps], color="tab:gray", alpha=0.6)
+    margins.plot([number(r.get("step")) for r in steps], [number(r.get("rewards/margins")) for r in steps], color="tab:gray", alpha=0.6)
     margins.set_ylabel("reward margin")
     ax.set_ylim(0, 1.05)
     ax.set_title("rewards")
@@ -123,7 +145,9 @@ def draw_rewards(ax, rows: list[dict]) -> None:
 
 def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
     """The four panels of the metrics, then a column for the rewards of a preference run and the
-    lm-eval scores when the run was evaluated."""
+    lm-eval scores when the run was evaluated; written to a temporary file beside `png` and renamed
+    onto it: a failed write leaves nothing half-written, and a link at `png` is replaced, never
+    written through."""
     plt = pyplot()
     rewards = any(REWARDS in r for r in rows)
     extra = bool(eval_results) or rewards
@@ -138,8 +162,30 @@ def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
         for ax in free:
             ax.axis("off")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    tmp = png.with_name(f".{png.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=100, format=png.suffix[1:].lower())
+        os.replace(tmp, png)
+    except OSError as e:
+        raise UserError(f"report: could not write {png} ({e.strerror or e})") from None
+    except ValueError as e:  # a kind of file matplotlib does not write
+        raise UserError(f"report: --output {png}: {first_line(e)}; use .png, .pdf or .svg") from None
+    finally:
+        plt.close(fig)
+        with contextlib.suppress(OSError):  # e.g. a read-only folder, where nothing was written
+            tmp.unlink(missing_ok=True)
+
+
+def check_output(png: Path) -> None:
+    """A plot file we can write: not a folder or a link, in an existing folder, of a kind matplotlib writes."""
+    if png.is_dir() and not png.is_symlink():
+        raise UserError(f"report: --output {png} is a folder; give a file name such as {png / 'report.png'}")
+    if png.is_symlink():
+        raise UserError(f"report: --output {png} is a symbolic link; lora-tune never writes through links: give another file name")
+    if not png.parent.is_dir():
+        raise UserError(f"report: --output {png}: the folder {png.parent} does not exist")
+    if not png.suffix:
+        raise UserError(f"report: --output {png}: give a file name with its kind, such as report.png or report.pdf")
 
 
 def plot_eval_results(ax, record: dict) -> None:
@@ -166,8 +212,9 @@ def plot_eval_results(ax, record: dict) -> None:
 
 def run(cfg) -> Path:
     run_dir = Path(cfg.run_dir).expanduser()
-    rows = read_metrics(run_dir)
     png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
+    rows = read_metrics(run_dir)
+    check_output(png)
     eval_results = None
     if (run_dir / "eval_results.json").is_file():
         eval_results = read_results(run_dir)

@@ -5,6 +5,7 @@ Layer-by-layer loading, the streaming merge and the input checks read shards thr
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,3 +105,25 @@ def read_headers(folder: Path) -> dict[str, Entry]:
             raise UserError(f"--base: {path} is listed in {INDEX} but missing; re-download the model")
         entries.update(read_header(path))
     return entries
+
+
+def fingerprint(folder: Path, files: list[Path] | None = None) -> str:
+    """What identifies a model's weights, cheaply (no tensor is read): its config.json bytes and, per
+    weights file, its name, size and (safetensors) header, each header validated first. `files`:
+    other weight files (pickle .bin) to identify by name and size only."""
+    h = hashlib.sha256()
+    try:
+        h.update((folder / "config.json").read_bytes())
+    except OSError as e:
+        raise UserError(f"--base: {folder / 'config.json'} is unreadable ({e.strerror or e})") from None
+    if files is None:
+        read_headers(folder)  # refuses a missing, truncated or garbage shard, naming it
+        files = shard_files(folder)
+        for path in files:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                h.update(f"{path.name}:{path.stat().st_size}:".encode() + f.read(length))
+    else:
+        for path in files:
+            h.update(f"{path.name}:{path.stat().st_size};".encode())
+    return h.hexdigest()[:24]

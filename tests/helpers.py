@@ -3,6 +3,9 @@ one), the 2-process job runner, and readers of a run's outputs."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import hashlib
 import json
 import os
 import socket
@@ -11,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -179,3 +183,43 @@ def trained_spans(tokenizer, sample: Sample) -> list[str]:
         else:
             current.append(t)
     return spans
+
+
+# --- faults the machine can make: a small or read-only disk ------------------------------------------
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str = "4m", read_only: bool = False, fill=None):
+    """A tmpfs mounted at `path` (skips the test where mounting needs a root we don't have); with
+    `fill(path)` run before it is remounted read-only. Unmounted at the end."""
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True, capture_output=True)
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        pytest.skip(f"cannot mount a tmpfs here ({e}); needs root")
+    try:
+        if fill:
+            fill(path)
+        if read_only:
+            subprocess.run(["mount", "-o", "remount,ro", str(path)], check=True, capture_output=True)
+        yield path
+    finally:
+        gc.collect()  # drop any file handle a failed run's objects still hold
+        subprocess.run(["umount", str(path)], check=False, capture_output=True)
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def tree_digest(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, str]:
+    """Every entry under `root` (but those under `skip`): a file by its bytes' hash and mode, a link
+    by its target (never followed), a folder by its mode. Equal digests: not a byte changed."""
+    skip = tuple(p.resolve() if not p.is_symlink() else p for p in skip)
+    digest = {}
+    for path in sorted(root.rglob("*")):
+        if any(path == s or s in path.parents for s in skip):
+            continue
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            digest[rel] = f"link -> {os.readlink(path)}"
+        elif path.is_dir():
+            digest[rel] = f"dir {oct(path.stat().st_mode)}"
+        else:
+            digest[rel] = f"{hashlib.sha256(path.read_bytes()).hexdigest()} {oct(path.stat().st_mode)}"
+    return digest

@@ -111,3 +111,16 @@ def test_pefts_moe_target_rewrite_is_avoided_so_every_requested_linear_is_adapte
     assert inject_on_meta(config, cfg, exact) == (wanted, dict.fromkeys(wanted, 4))
     with pytest.raises(UserError, match="--precision 4bit: peft rewrites the LoRA targets of deepseek_v3 models"):
         peft_exact_targets(config, options(rank=4, lora_alpha=8, rslora=False, precision="4bit"), asked)
+
+
+def test_a_failed_adapter_write_leaves_no_temporary_file(tiny_model, tmp_path, monkeypatch):
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4)
+    model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, str(tiny_model))
+
+    def full_disk(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(model.peft_config["default"]), "save_pretrained", full_disk)  # after the weights were written
+    with pytest.raises(OSError, match="No space left"):
+        save_adapter(model, tmp_path)
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import lora_tune
+from lora_tune.errors import UserError
 
 from helpers import ALPACA, FAST, fast_train_args, run_cli, single_error_line, write_jsonl
 
@@ -117,3 +118,10 @@ def test_eval_prompts_log_greedy_completions_at_each_evaluation(tiny_model, data
     bad.write_text(json.dumps({"question": "x"}) + "\n")
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["alpaca"], tmp_path / "bad", eval_prompts=bad), capsys)
     assert code == 2 and "needs a 'prompt', 'instruction' or 'messages' field" in single_error_line(err)
+
+
+@pytest.mark.parametrize("content", [b"", b"\xff\xfe garbage", b"[1, 2]", b'{"base_model_name_or_path": 3}'])
+def test_load_of_a_broken_adapter_config_is_one_user_error(content, tmp_path):
+    (tmp_path / "adapter_config.json").write_bytes(content)
+    with pytest.raises(UserError, match="adapter_config.json"):
+        lora_tune.load(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,3 +23,38 @@ def test_gpu_bench_runs_every_route_on_a_tiny_shape(tmp_path):
             assert result["tokens"] > 0 and result["train_seconds"] > 0 and result["losses"]
     table = (tmp_path / "gpu_bench.md").read_text()
     assert table.count("| lora-tune train (defaults) |") == 2 and "vs TRL SFTTrainer" in table
+
+
+def test_dpo_vs_trl_runs_every_route_on_a_tiny_shape(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/dpo_vs_trl.py", "--tiny", "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [
+        "lora-tune train --objective dpo",
+        "TRL DPOTrainer (PEFT reference per step)",
+        "TRL DPOTrainer (reference precomputed)",
+    ]
+    for row in rows:
+        pairs_per_second = float(row.split(" | ")[2])
+        assert pairs_per_second > 0
+    ratios = [line for line in proc.stdout.splitlines() if line.startswith("vs TRL DPOTrainer")]
+    assert len(ratios) == 2 and all("pairs/s " in line and "peak RSS " in line for line in ratios)
+
+
+def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/checkpointing_budget.py", "--tiny", "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    assert "gradient checkpointing (auto): 2 of 4 decoder layers recomputed" in proc.stdout
+    assert "same losses on every route: True" in proc.stdout and "planned 12.5%" in proc.stdout

@@ -3,6 +3,7 @@ state, the pickle-free state format, and the output folder's lock."""
 
 from __future__ import annotations
 
+import shutil
 from enum import Enum
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 
 from lora_tune import checkpoint as ckpt
 from lora_tune.errors import UserError
+
+from helpers import fast_train_args, run_cli, tree_digest
 
 
 def make(out, step, complete=True):
@@ -112,3 +115,72 @@ def test_the_lock_refuses_a_second_holder_and_is_released(tmp_path):
         ckpt.OutputLock(tmp_path).acquire()  # the same process, another open file: flock says no
     first.release()
     assert ckpt.lock_holder(tmp_path) is None and (tmp_path / ckpt.LOCK_NAME).read_text() == ""
+
+
+def test_rotation_unlinks_a_linked_checkpoint_and_never_touches_its_target(tmp_path):
+    other, mine = tmp_path / "other-run", tmp_path / "mine"
+    for step in (1, 2):
+        make(other, step)
+    mine.mkdir()
+    for step in (1, 2):
+        (mine / f"checkpoint-{step}").symlink_to(other / f"checkpoint-{step}")
+    before = tree_digest(other)
+    make(mine, 3)
+    removed = ckpt.rotate(mine, keep=1)
+    assert [p.name for p in removed] == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name for p in mine.iterdir()) == ["checkpoint-3"]
+    assert tree_digest(other) == before and ckpt.newest_complete(other).name == "checkpoint-2"
+
+
+def test_cleanup_unlinks_links_left_where_temporary_folders_go(tmp_path):
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "data").write_text("keep")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".checkpoint-4.tmp-4").symlink_to(precious)
+    writer = ckpt.CheckpointWriter(out, 4)
+    (writer.begin() / "payload").write_text("4")  # over a planted link: the link goes, not the folder
+    writer.commit()
+    (out / ".checkpoint-6.old-1").symlink_to(precious)
+    assert ckpt.remove_leftovers(out) == [out / ".checkpoint-6.old-1"]
+    assert (precious / "data").read_text() == "keep" and (out / "checkpoint-4" / "payload").read_text() == "4"
+
+
+@pytest.mark.parametrize("target", ["a file", "a missing file", "a folder"])
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_nothing_is_written_through_it(target, tmp_path):
+    precious = tmp_path / "precious"
+    if target == "a file":
+        precious.write_text("a year of notes\n")
+    elif target == "a folder":
+        precious.mkdir()
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ckpt.LOCK_NAME).symlink_to(precious)
+    before = tree_digest(tmp_path)
+    with pytest.raises(UserError, match=r"\.lora-tune\.lock is a symbolic link .*never writes through links"):
+        ckpt.lock_holder(out)
+    with pytest.raises(UserError, match="is a symbolic link"):
+        ckpt.OutputLock(out).acquire()
+    assert tree_digest(tmp_path) == before and not (target == "a missing file" and precious.exists())
+
+
+def test_a_checkpoint_linked_into_another_run_is_unlinked_by_rotation_and_that_run_still_resumes(tiny_model, data_files, tmp_path, capsys):
+    other = tmp_path / "other"
+    args = dict(max_steps=2, save_steps=1)
+    assert run_cli(fast_train_args(tiny_model, data_files["text"], other, **args), capsys)[0] == 0
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for f in other.iterdir():
+        if f.name.startswith("checkpoint-"):
+            (mine / f.name).symlink_to(f)
+        elif f.is_file() and f.name != ckpt.LOCK_NAME:
+            shutil.copy2(f, mine / f.name)
+    before = tree_digest(other)
+    resume = fast_train_args(tiny_model, data_files["text"], mine, max_steps=4, save_steps=1, save_total_limit=1, resume=True)
+    code, _, err = run_cli(resume, capsys)
+    assert code == 0, err
+    assert "removed old checkpoint(s)" in err
+    assert tree_digest(other) == before, "the other run's files must not change"
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], other, max_steps=3, save_steps=1, resume=True), capsys)
+    assert code == 0 and f"resumed from {other / 'checkpoint-2'} (step 2)" in err

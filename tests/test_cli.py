@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def test_flags_override_yaml(tmp_path):
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text("base: tiny-llama\ndata: d.jsonl\noutput_dir: out\nrank: 8\nlr: 0.001\ntarget_modules: [q_proj, v_proj]\n")
     cfg = parse(["train", "--config", str(cfg_file), "--rank", "32", "--no-gradient-checkpointing"])
-    assert cfg.rank == 32 and cfg.lr == 0.001 and cfg.gradient_checkpointing is False
+    assert cfg.rank == 32 and cfg.lr == 0.001 and cfg.gradient_checkpointing == "off"
     assert cfg.target_modules == ["q_proj", "v_proj"]
     assert cfg.lora_alpha == 64  # default alpha follows the overridden rank
 
@@ -84,6 +85,19 @@ class Case:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         return path
+
+    def binary(self, name: str, data: bytes = bytes(range(256)) * 8) -> Path:
+        path = self.tmp / name
+        path.write_bytes(data)
+        return path
+
+    def model_with(self, name: str, change) -> Path:
+        """A copy of the tiny model (in tmp/base) with one file's bytes changed."""
+        base = self.tmp / "base"
+        if not base.exists():
+            shutil.copytree(self.model, base)
+        (base / name).write_bytes(change((base / name).read_bytes()))
+        return base
 
     def folder(self, name: str) -> Path:
         path = self.tmp / name
@@ -168,6 +182,35 @@ BAD_INPUT = {
         ],
         "not valid YAML",
     ),
+    "binary config file": (
+        lambda c: ["train", "--config", c.binary("bin.yaml"), "--base", c.model, "--data", c.good, "--output-dir", c.out],
+        "bin.yaml is not text (not UTF-8)",
+    ),
+    "config file is a folder": (
+        lambda c: ["train", "--config", c.folder("configs"), "--base", c.model, "--data", c.good, "--output-dir", c.out],
+        "configs is a folder; pass a YAML file",
+    ),
+    "output dir under a file": (
+        lambda c: fast_train_args(c.model, c.good, c.file("a-file", "x") / "run"),
+        "would be inside",
+    ),
+    "truncated base weights": (
+        lambda c: fast_train_args(c.model_with("model.safetensors", lambda b: b[: len(b) // 2]), c.good, c.out),
+        "model.safetensors is truncated",
+    ),
+    "garbage base weights": (
+        lambda c: fast_train_args(c.model_with("model.safetensors", lambda b: bytes(255 - x for x in b)), c.good, c.out),
+        "model.safetensors is not a readable safetensors file",
+    ),
+    "output dir is the base": (
+        lambda c: fast_train_args(c.model_with("config.json", bytes), c.good, c.tmp / "base"),
+        "is the base model's folder",
+    ),
+    "binary eval prompts": (lambda c: c.train(eval_prompts=c.binary("p.txt")), "--eval-prompts: "),
+    "eval prompt row not an object": (
+        lambda c: c.train(eval_prompts=c.file("p.jsonl", '{"prompt": "hi"}\n["hi"]\n')),
+        "line 2 is a JSON list",
+    ),
     "missing config file": (
         lambda c: ["train", "--config", c.tmp / "none.yaml", "--base", c.model, "--data", c.good, "--output-dir", c.out],
         "none.yaml does not exist",
@@ -197,6 +240,13 @@ BAD_INPUT = {
     "pretokenized ids out of vocabulary": (
         lambda c: c.train(write_jsonl(c.tmp / "ids.jsonl", [{"input_ids": [1, 5, 70000]}]), max_steps=1),
         "token id 70000 is outside the tokenizer's vocabulary",
+    ),
+    "pretokenized labels out of vocabulary": (
+        lambda c: c.train(
+            write_jsonl(c.tmp / "ids.jsonl", [{"input_ids": [1, 5, 6, 7]}, {"input_ids": [1, 5, 6, 7], "labels": [-100, 5, 70000, 7]}]),
+            max_steps=1,
+        ),
+        "ids.jsonl: row 2: label 70000 is neither a token id of the tokenizer's vocabulary",
     ),
     "flash attention on cpu": (
         lambda c: c.train(attn_implementation="flash_attention_2"),

@@ -12,7 +12,10 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
+
+from lora_tune import checkpoint as ckpt
 
 from helpers import fast_train_args, start, step_losses, wait_for_steps
 
@@ -62,3 +65,28 @@ def test_the_deepspeed_launcher_runs_the_same_command(tiny_model, data_files, tm
     assert "--local_rank=1" in proc.stdout + proc.stderr  # the launcher did pass its flag
     assert step_losses(out) and (out / "adapter_model.safetensors").is_file()
     assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["world_size"] == 2
+
+
+def test_ranks_checkpoint_and_stop_when_the_launcher_is_killed(tiny_model, data_files, tmp_path):
+    """SIGKILL the --nproc launcher (its lock and watchdog go with it): the ranks get the parent-death
+    signal, finish the step, write one complete checkpoint together and exit, instead of training on."""
+    out = tmp_path / "orphans"
+    args = {**RUN_ARGS, "max_steps": 100_000, "save_steps": 100_000, "nproc": 2, "backend": "fsdp"}
+    proc = start(fast_train_args(tiny_model, data_files["alpaca"], out, **args))
+    ranks = []
+    try:
+        wait_for_steps(proc, out, 3)
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2, ranks
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not alive, "the ranks must stop when their launcher dies"
+    finally:
+        for rank in ranks:
+            if rank.is_running():
+                rank.kill()
+    checkpoints = [p for p in out.glob("checkpoint-*") if (p / "COMPLETE").is_file()]
+    assert len(checkpoints) == 1 and (checkpoints[0] / "training_state_rank1.safetensors").is_file()
+    assert not (out / "adapter_model.safetensors").exists(), "stopped, not finished"
+    assert ckpt.lock_holder(out) is None

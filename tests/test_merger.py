@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from lora_tune.cli import main
 from lora_tune.merger import lora_modules, unmerged_forward
 from lora_tune.tiny_model import build_tiny_llama, build_tiny_model
 
-from helpers import TEXT, fast_train_args, run_cli, single_error_line, write_jsonl
+from helpers import TEXT, fast_train_args, run_cli, single_error_line, tree_digest, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -249,3 +250,86 @@ def test_layer_verification_reference_equals_peft_layer(flavour, adapters, tiny_
     x = torch.randn(3, base[name].shape[1])
     with torch.no_grad():
         torch.testing.assert_close(unmerged_forward(x, base[name], modules[name], False), layer(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def inputs(adapters, tiny_model, tmp_path):
+    """A copy of an adapter and of its base, in a folder of the test's own (a wrong merge may destroy them)."""
+    root = tmp_path / "models"
+    shutil.copytree(tiny_model, root / "base")
+    shutil.copytree(adapters["fp32"], root / "adapter", ignore=shutil.ignore_patterns("checkpoint-*"))
+    return root
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["the adapter folder", "inside the adapter folder", "around the adapter folder", "the base folder", "inside the base", "around it"],
+)
+def test_merge_output_in_or_around_its_inputs_is_refused_even_with_overwrite(where, inputs, capsys):
+    adapter, base = inputs / "adapter", inputs / "base"
+    out = {
+        "the adapter folder": adapter,
+        "inside the adapter folder": adapter / "merged",
+        "around the adapter folder": inputs,
+        "the base folder": base,
+        "inside the base": base / "merged",
+        "around it": inputs,
+    }[where]
+    if "base" in where or where == "around it":  # the adapter elsewhere, so that only the base is in the way
+        shutil.move(adapter, inputs.parent / "adapter")
+        adapter = inputs.parent / "adapter"
+    before = tree_digest(inputs.parent)
+    code, _, err = run_cli(["merge", "--adapter", adapter, "--base", base, "--output", out, "--overwrite", "--dtype", "fp32"], capsys)
+    assert code == 2, err
+    assert "merge never writes there, --overwrite or not" in single_error_line(err)
+    assert tree_digest(inputs.parent) == before
+
+
+ODD_CONFIGS = {
+    "r 0": ({"r": 0}, "has r = 0; the rank must be a positive integer"),
+    "r true": ({"r": True}, "has r = True"),
+    "no lora_alpha": ({"lora_alpha": None}, "has no lora_alpha"),
+    "text lora_alpha": ({"lora_alpha": "16"}, "has lora_alpha = '16'; it must be a number"),
+    "rank_pattern of text": ({"rank_pattern": {"q_proj": "eight"}}, "has rank_pattern['q_proj'] = 'eight'"),
+    "rank_pattern of zero": ({"rank_pattern": {"q_proj": 0}}, "a rank must be a positive integer"),
+    "rank_pattern a list": ({"rank_pattern": [8]}, "has rank_pattern = [8]; it must map module names to numbers"),
+    "alpha_pattern of text": ({"alpha_pattern": {"v_proj": "x"}}, "has alpha_pattern['v_proj'] = 'x'"),
+    "rslora as text": ({"use_rslora": "yes"}, "has use_rslora = 'yes'"),
+    "a JSON list": ([1, 2], "holds a JSON list, not an object"),
+    "binary": (b"\xff\xfe\x00garbage", "is unreadable or truncated"),
+}
+
+
+@pytest.mark.parametrize("odd", list(ODD_CONFIGS))
+def test_an_odd_adapter_config_is_one_line(odd, inputs, tmp_path, capsys):
+    change, expected = ODD_CONFIGS[odd]
+    path = inputs / "adapter" / "adapter_config.json"
+    if isinstance(change, bytes):
+        path.write_bytes(change)
+    elif isinstance(change, list):
+        path.write_text(json.dumps(change))
+    else:
+        config = {**json.loads(path.read_text()), **change}
+        path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    code, _, err = run_cli(["merge", "--adapter", inputs / "adapter", "--base", inputs / "base", "--output", tmp_path / "m"], capsys)
+    assert code == 2 and expected in single_error_line(err)
+    assert not (tmp_path / "m").exists()
+
+
+def test_merge_output_under_a_file_or_a_bare_shard_size_is_one_line(inputs, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    adapter = ["merge", "--adapter", inputs / "adapter", "--base", inputs / "base"]
+    code, _, err = run_cli([*adapter, "--output", tmp_path / "a-file" / "merged"], capsys)
+    assert code == 2 and "which is a file; give a folder" in single_error_line(err)
+    code, _, err = run_cli([*adapter, "--output", tmp_path / "m", "--max-shard-size", "5"], capsys)
+    assert code == 2 and "--max-shard-size: '5' has no unit; write e.g. 5GB" in single_error_line(err)
+
+
+def test_a_merge_killed_outright_leaves_a_folder_the_next_merge_removes(inputs, tmp_path, capsys):
+    dead = tmp_path / ".m.tmp-999999"  # no such process
+    (dead / "half").mkdir(parents=True)
+    live = tmp_path / f".m.tmp-{os.getpid()}x"  # not a merge's name: left alone
+    live.mkdir()
+    code, _, err = run_cli(["merge", "--adapter", inputs / "adapter", "--base", inputs / "base", "--output", tmp_path / "m"], capsys)
+    assert code == 0, err
+    assert not dead.exists() and live.exists() and (tmp_path / "m" / "model.safetensors").is_file()

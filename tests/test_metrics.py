@@ -12,6 +12,8 @@ import torch
 from lora_tune.errors import UserError
 from lora_tune.metrics import MetricsLog, check_reporter, peak_memory_bytes
 
+from helpers import fast_train_args, read_metrics, run_cli
+
 
 def test_records_are_json_lines_with_nan_kept_and_the_callback_called(tmp_path):
     seen = []
@@ -41,3 +43,23 @@ def test_a_reporter_that_is_not_installed_is_refused_before_anything_loads(monke
     with pytest.raises(UserError, match="--report-to wandb: the 'wandb' package is not installed"):
         check_reporter("wandb")
     check_reporter("none")
+
+
+def test_a_torn_last_line_is_dropped_on_resume(tmp_path):
+    lines = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(lines + '{"step": 4, "loss": 0.9, "lr"')  # killed mid-append
+    log = MetricsLog(tmp_path, "none", {}, 3, None)
+    log.write({"step": 4, "loss": 0.5})
+    log.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_resume_after_a_kill_mid_append_continues_and_logs_each_step_once(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2, save_steps=1), capsys)[0] == 0
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "loss": 2.71')
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, save_steps=1, resume=True), capsys)
+    assert code == 0, err
+    assert "Traceback" not in err and "dropped 1 unreadable line(s)" in err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]

@@ -277,7 +277,7 @@ def test_dpo_from_an_sft_adapter(tiny_model, pairs_file, data_files, tmp_path, c
 
 
 def test_plan_counts_both_sequences_of_a_pair(tiny_model, capsys):
-    sft = lora_tune.plan(base=str(tiny_model), max_seq_len=256)
-    dpo = lora_tune.plan(base=str(tiny_model), max_seq_len=256, objective="dpo")
+    sft = lora_tune.plan(base=str(tiny_model), max_seq_len=256, gradient_checkpointing="on")
+    dpo = lora_tune.plan(base=str(tiny_model), max_seq_len=256, gradient_checkpointing="on", objective="dpo")
     assert dpo.estimate.saved_activations_bytes == 2 * sft.estimate.saved_activations_bytes
     assert dpo.setup.tokens == 2 * sft.setup.tokens and dpo.setup.reference

@@ -78,3 +78,12 @@ def test_quick_start_training_runs_offline(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "demo" / "adapter_model.safetensors").is_file()
     assert "tok/s" in proc.stderr and "peak" in proc.stderr
+
+
+def test_what_lora_tune_never_does_is_backed_by_tests_that_exist():
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme.split("**What lora-tune never does**")[1].split("\n## ")[0]
+    named = set(re.findall(r"`(test_\w+)`", paragraph))
+    assert len(named) >= 10, named
+    defined = {m for f in (ROOT / "tests").rglob("test_*.py") for m in re.findall(r"^def (test_\w+)", f.read_text(), re.M)}
+    assert named <= defined, named - defined

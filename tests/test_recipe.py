@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,14 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from lora_tune.adapter import checkpointed_layers
 from lora_tune.config import TrainConfig
+from lora_tune.planner.architecture import load_architecture
+from lora_tune.planner.memory import estimate, setup_from
 from lora_tune.recipe import Recipe
+from lora_tune.tiny_model import build_tiny_llama
 
-from helpers import adapter_tensors, fast_train_args, read_metrics, run_cli, write_jsonl
+from helpers import FAST, adapter_tensors, fast_train_args, read_metrics, run_cli, write_jsonl
 
 
 @pytest.mark.parametrize(
@@ -220,3 +225,31 @@ def test_activation_offload_keeps_the_loss_and_lowers_device_memory(tiny_model, 
         runs[offload] = read_metrics(out)
     assert [r["loss"] for r in runs[True]] == pytest.approx([r["loss"] for r in runs[False]], rel=1e-3)
     assert runs[True][-1]["peak_memory_bytes"] <= runs[False][-1]["peak_memory_bytes"]
+
+
+def test_auto_checkpointing_keeps_the_layers_the_budget_allows_and_the_same_numbers(data_files, tmp_path, capsys):
+    """--gradient-checkpointing auto with a budget between the plans of one and two layers kept (of
+    four): three layers recomputed, the last keeping its activations; the numbers never change."""
+    base = build_tiny_llama(tmp_path / "four-layers", num_hidden_layers=4)
+    options = {**FAST, "base": str(base), "data": str(data_files["alpaca"])}
+    arch = load_architecture(str(base))
+    setup = setup_from(TrainConfig(output_dir="o", **options))
+    totals = [estimate(arch, replace(setup, kept_layers=k)).per_device["total_bytes"] for k in (1, 2)]
+    assert totals[0] < totals[1]
+    losses = {}
+    for mode in ("on", "off"):
+        code, _, err = run_cli(fast_train_args(base, data_files["alpaca"], tmp_path / mode, gradient_checkpointing=mode), capsys)
+        assert code == 0, err
+        losses[mode] = [r["loss"] for r in read_metrics(tmp_path / mode) if "loss" in r]
+    cfg = TrainConfig(output_dir=str(tmp_path / "auto"), gradient_checkpointing="auto", memory_budget=sum(totals) / 2 / 2**30, **options)
+    recipe = Recipe(cfg)
+    try:
+        recipe.setup()
+        layers = checkpointed_layers(recipe.loop.model.peft_model)
+        assert [layer.gradient_checkpointing for layer in layers] == [True, True, True, False]
+        recipe.train()
+        recipe.save()
+    finally:
+        recipe.cleanup()
+    assert "gradient checkpointing (auto): 3 of 4 decoder layers recomputed, the rest keep their activations" in capsys.readouterr().err
+    assert [r["loss"] for r in read_metrics(tmp_path / "auto") if "loss" in r] == losses["on"] == losses["off"]

@@ -10,19 +10,24 @@ the row and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import tempfile
+import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import datasets
+import pyarrow
 import torch
 
 from lora_tune import objectives
 from lora_tune.data import cache, formats, sources
 from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
 
@@ -109,7 +114,18 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
     key = cache.key_of(parts)
 
     def build(workdir):
-        raw = sources.load(source, files)
+        """Tokenize the source into `workdir` (None: in memory); its raw Arrow copy lives in a
+        folder of this build only, so what is tokenized is what was hashed."""
+        raw_dir = tempfile.TemporaryDirectory(prefix="lora-tune-raw-") if workdir is None else contextlib.nullcontext(workdir / "raw")
+        with raw_dir as folder:
+            return tokenize_source(Path(folder), workdir)
+
+    def tokenize_source(raw_dir: Path, workdir):
+        raw = sources.load(source, files, raw_dir)
+        if files is not None and sources.content_hash(source, files) != parts["data"]:
+            raise UserError(
+                f"{source.option}: {source.label} changed while it was being read; run again once it is no longer being written"
+            )
         fmt = formats.detect(raw.column_names, source.label, source.option)
         fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option)
         ints = datasets.Sequence(datasets.Value("int32"))
@@ -146,23 +162,40 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
         }
         dropped = {DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME}
         if any(s in dropped for s in status):
-            ds = ds.select([i for i, s in enumerate(status) if s not in dropped])
+            ds = ds.select([i for i, s in enumerate(status) if s not in dropped], keep_in_memory=workdir is None)
         ds = ds.remove_columns(["status"])
         stats["tokens"] = int(sum(ds["length"]))
         return ds, {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label}
 
     root = cache.cache_root(cfg) if getattr(cfg, "data_cache", True) else None
     try:
-        return cache.load_or_build(root, key, build)
+        return cache.load_or_build(root, key, build, source.label)
     except UserError:
         raise
     except Exception as e:  # an error raised in a tokenizing worker process arrives wrapped
+        stopped = sources.stop_of(e)
+        if stopped is not None:
+            raise stopped from None
         cause = e
         while cause.__cause__ is not None or cause.__context__ is not None:
             cause = cause.__cause__ or cause.__context__
             if isinstance(cause, UserError):
                 raise UserError(str(cause), cause.exit_code) from None
+        if raised_reading_rows(e):
+            raise UserError(
+                f"{source.option}: the rows of {source.label} can't be read as columns ({first_line(e)[:160]}); give each column "
+                "one type in every row (e.g. text as strings, messages as lists of {role, content})"
+            ) from None
         raise
+
+
+def raised_reading_rows(error: BaseException) -> bool:
+    """True for an error that datasets or pyarrow raised turning the source's Arrow rows into Python
+    (odd nested keys, mixed types): the data's fault, not ours."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1].filename if frames else ""
+    library = f"{os.sep}datasets{os.sep}" in where or f"{os.sep}pyarrow{os.sep}" in where or where.startswith("pyarrow")
+    return library and isinstance(error, (ValueError, KeyError, TypeError, pyarrow.ArrowException))
 
 
 def mix(datasets_: list, weights: list[float | None], seed: int) -> tuple[list[tuple[int, int]], list[int]]:

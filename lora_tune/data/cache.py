@@ -5,11 +5,14 @@ run with another output folder over the same data memory-maps it instead of toke
 
 Several processes (ranks of one job, two jobs at once) build a source at most once: the first takes
 a lock on its key, the others wait on it and then read what it wrote. The folder appears complete
-or not at all (built under a temporary name, renamed into place).
+or not at all (built under a temporary name, renamed into place); one left by a killed builder is
+recognised by its free lock and removed. A damaged entry is built again; a cache location that
+can't be written (read-only, full) means tokenizing in memory for that run, said once.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import datasets
 import datasets.config
+
+from lora_tune.errors import first_line, sigterm_stops
 
 log = logging.getLogger("lora_tune")
 VERSION = 2  # bump when what is cached changes meaning (2: samples hold sequence starts and a KTO label)
@@ -46,44 +51,142 @@ def key_of(parts: dict) -> str:
 
 
 @contextmanager
-def locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # another process building the same key: wait for it
+def locked(path: Path, blocking: bool = True):
+    """An exclusive flock on `path` (created): held by the one process building a key. Yields
+    False instead when `blocking` is off and another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
         try:
-            yield
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))  # blocking: another process builds it, wait
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
-def load_or_build(root: Path | None, key: str, build):
-    """(dataset, meta) for `key`: read from `root` when there, else `build(workdir)` -> (dataset,
-    meta) writes its Arrow files under `workdir` and is saved to `root` first. `root` None: no
-    cache, `build(None)` keeps everything in memory."""
-    if root is None:
-        return build(None)
-    folder = root / key
-    if not (folder / "meta.json").is_file():
-        with locked(root / f"{key}.lock"):
-            if not (folder / "meta.json").is_file():
-                started = time.perf_counter()
-                tmp = root / f".{key}.tmp-{os.getpid()}"
+def remove_dead_builds(root: Path, held: str) -> list[Path]:
+    """Temporary build folders (`.KEY.tmp-PID`) whose builder is gone: a live builder holds its key's
+    lock for as long as its folder exists, so a folder whose lock can be taken (or whose lock this
+    process holds: `held`) was left by a process that was killed (SIGKILL, power loss). Removed;
+    returned."""
+    removed = []
+    for tmp in root.glob(".*.tmp-*"):
+        key = tmp.name[1:].split(".tmp-")[0]
+        if key == held:
+            shutil.rmtree(tmp, ignore_errors=True)
+            removed.append(tmp)
+            continue
+        with locked(root / f"{key}.lock", blocking=False) as free:
+            if free:
                 shutil.rmtree(tmp, ignore_errors=True)
-                try:
-                    dataset, meta = build(tmp / "work")
-                    dataset.save_to_disk(str(tmp / "data"))
-                    del dataset
-                    shutil.rmtree(tmp / "work", ignore_errors=True)
-                    (tmp / "meta.json").write_text(json.dumps(meta))  # written last: its presence marks completeness
-                    shutil.rmtree(folder, ignore_errors=True)
-                    os.replace(tmp, folder)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                log.info("data: tokenized %s in %.1f s, cached in %s", meta["source"], time.perf_counter() - started, folder)
+                removed.append(tmp)
+    if removed:
+        log.info("data: removed %d unfinished cache build(s) left by processes that were killed", len(removed))
+    return removed
+
+
+def read_entry(folder: Path):
+    """(dataset, meta) of a complete cache entry, checked: meta, Arrow files of the sizes written,
+    the columns and the row count the build recorded. Raises whatever a damaged entry raises."""
     meta = json.loads((folder / "meta.json").read_text())
     data = folder / "data"
+    for name, size in meta.get("files", {}).items():
+        if (data / name).stat().st_size != size:
+            raise ValueError(f"{name} is {(data / name).stat().st_size:,} bytes, {size:,} when written")
     if not json.loads((data / "state.json").read_text())["_data_files"]:
         # `save_to_disk` writes no Arrow file for zero rows and `load_from_disk` can't read that back
         features = datasets.Features.from_dict(json.loads((data / "dataset_info.json").read_text())["features"])
-        return datasets.Dataset.from_dict({name: [] for name in features}, features=features), meta
-    return datasets.load_from_disk(str(data)), meta
+        dataset = datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    else:
+        dataset = datasets.load_from_disk(str(data))
+    missing = {"input_ids", "labels", "starts", "label", "length"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"no column {sorted(missing)[0]!r}")
+    stats = meta["stats"]
+    kept = stats["rows"] - stats["dropped_long"] - stats["dropped_no_labels"] - stats["dropped_same"]
+    if len(dataset) != kept:
+        raise ValueError(f"{len(dataset)} rows, not the {kept} written")
+    return dataset, meta
+
+
+def unusable(error: OSError) -> bool:
+    """A cache location that can't take files: read-only, no permission, full, over quota, a file
+    where the folder should be, or a lock file that is a symbolic link (never opened through)."""
+    return error.errno in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC, errno.EDQUOT, errno.ELOOP, errno.ENOTDIR, errno.EEXIST)
+
+
+_said_in_memory: set[str] = set()
+
+
+def load_or_build(root: Path | None, key: str, build, label: str = "the data"):
+    """(dataset, meta) for `key`: read from `root` when there, else `build(workdir)` -> (dataset,
+    meta) writes its Arrow files under `workdir` and is saved to `root` first. `root` None: no
+    cache, `build(None)` keeps everything in memory.
+
+    A damaged entry (truncated, garbage, written by another library version) is built again, with
+    a log line; a cache location that is read-only or full is said once, and the data is
+    tokenized in memory for this run. SIGTERM while tokenizing removes the unfinished build
+    folder and stops the run (exit 143); a build killed outright (SIGKILL) leaves one, which the
+    next build removes."""
+    with sigterm_stops(f"tokenizing {label}", "nothing of it was cached. Run the same command again"):
+        if root is None:
+            return build(None)
+        folder = root / key
+        damaged = None
+        if (folder / "meta.json").is_file():
+            try:
+                return read_entry(folder)
+            except Exception as e:  # noqa: BLE001 - anything a damaged entry raises: it is rebuilt
+                damaged = e
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with locked(root / f"{key}.lock"):
+                if damaged is None and (folder / "meta.json").is_file():
+                    try:
+                        return read_entry(folder)  # another process built it while we waited
+                    except Exception as e:  # noqa: BLE001 - anything a damaged entry raises: it is rebuilt
+                        damaged = e
+                if damaged is not None:
+                    log.warning(
+                        "data: the cached copy of %s in %s is unreadable (%s); tokenizing it again", label, folder, first_line(damaged)
+                    )
+                remove_dead_builds(root, key)
+                return build_entry(root, key, build)
+        except OSError as e:
+            if not unusable(e):
+                raise
+            if str(root) not in _said_in_memory:
+                _said_in_memory.add(str(root))
+                log.warning(
+                    "data: the cache folder %s can't be written (%s); tokenizing in memory for this run (choose another "
+                    "--data-cache-dir, or --no-data-cache to silence this)",
+                    root,
+                    e.strerror or e,
+                )
+            return build(None)
+
+
+def build_entry(root: Path, key: str, build):
+    """Build `key` under a temporary name and rename it into place (its meta.json written last)."""
+    folder = root / key
+    started = time.perf_counter()
+    tmp = root / f".{key}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        dataset, meta = build(tmp / "work")
+        dataset.save_to_disk(str(tmp / "data"))
+        del dataset
+        shutil.rmtree(tmp / "work", ignore_errors=True)
+        meta["files"] = {p.name: p.stat().st_size for p in (tmp / "data").glob("*.arrow")}
+        (tmp / "meta.json").write_text(json.dumps(meta))  # written last: its presence marks completeness
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("data: tokenized %s in %.1f s, cached in %s", meta["source"], time.perf_counter() - started, folder)
+    return read_entry(folder)

@@ -25,9 +25,19 @@ def read_eval_prompts(path: str, tokenizer, system_message: str = "auto") -> lis
 
 def _texts(path: str, tokenizer, system_message: str) -> list[str]:
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise UserError(f"--eval-prompts: {path} is a folder; give a .txt file (one prompt per line) or a .jsonl file")
     if not file.is_file():
         raise UserError(f"--eval-prompts: {path} does not exist; give a .txt file (one prompt per line) or a .jsonl file")
-    lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"--eval-prompts: {path} is not UTF-8 text; give a .txt file (one prompt per line) or a .jsonl file") from None
+    except OSError as e:
+        raise UserError(f"--eval-prompts: {path} is unreadable ({e.strerror or e})") from None
+    if "\x00" in text:
+        raise UserError(f"--eval-prompts: {path} holds binary data (NUL bytes); give a .txt file (one prompt per line) or a .jsonl file")
+    lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise UserError(f"--eval-prompts: {path} holds no prompts")
     if len(lines) > MAX_PROMPTS:
@@ -43,12 +53,20 @@ def _texts(path: str, tokenizer, system_message: str) -> list[str]:
             row = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{where} is not valid JSON") from None
+        if not isinstance(row, dict):
+            raise UserError(
+                f"{where} is a JSON {type(row).__name__}; each line must be an object with a 'prompt', 'instruction' or 'messages' field"
+            )
         if isinstance(row.get("prompt"), str):
             prompts.append(row["prompt"])
         elif isinstance(row.get("instruction"), str):
             extra = row.get("input") or ""
+            if not isinstance(extra, str):
+                raise UserError(f"{where}: 'input' must be a string (got {type(extra).__name__})")
             prompts.append((alpaca.WITH_INPUT if extra.strip() else alpaca.NO_INPUT).format(instruction=row["instruction"], input=extra))
         elif "messages" in row:
+            if not isinstance(row["messages"], list):
+                raise UserError(f"{where}: 'messages' must be a list of {{role, content}} (got {type(row['messages']).__name__})")
             chat = chat or ChatRenderer(tokenizer, system_message)
             messages = normalise(row["messages"] + [{"role": "assistant", "content": "x"}], where)[:-1]
             prompts.append(chat.generation_prompt(messages, where))

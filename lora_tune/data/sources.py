@@ -1,9 +1,15 @@
 """Where training data comes from: local files and folders or hub datasets, each with an optional
 weight, column mapping and split; loaded with `datasets` (Arrow, memory-mapped), fingerprinted by
-content so the tokenized cache knows when they change."""
+content so the tokenized cache knows when they change.
+
+Local files are never read back from `datasets`' own cache: it keys them by path and modification
+time, not bytes, so a file rewritten with the same size and mtime (`cp -p`, `rsync -t`, `tar -x`)
+would come back with its old rows. Their raw Arrow copy is built in a folder the caller owns (the
+tokenized cache's temporary build folder) and removed with it."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -12,7 +18,7 @@ from pathlib import Path
 import datasets
 
 from lora_tune.aliases import check_hub_reachable
-from lora_tune.errors import UserError, first_line
+from lora_tune.errors import TrainingStopped, UserError, first_line
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -83,7 +89,7 @@ def local_files(source: Source) -> list[Path] | None:
     if path.is_file():
         if path.suffix.lower() not in SUFFIXES:
             raise UserError(f"{option}: {name} has an unsupported extension; use .jsonl, .json, .parquet or .csv")
-        if path.stat().st_size == 0 or not path.read_bytes()[:4096].strip():
+        if is_blank(path):
             raise UserError(f"{option}: {name} is empty; it needs at least one sample")
         return [path]
     if path.is_dir():
@@ -97,6 +103,16 @@ def local_files(source: Source) -> list[Path] | None:
         raise UserError(f"{option}: {name} does not exist; give a local file or folder, or a hub dataset name")
     check_hub_reachable(name, option, "dataset")
     return None
+
+
+def is_blank(path: Path, block: int = 1 << 16) -> bool:
+    """True when the file holds nothing but whitespace; reads a block at a time and stops at the
+    first other byte (a 400 MB file costs one block of memory, not the file)."""
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(block), b""):
+            if chunk.strip():
+                return False
+    return True
 
 
 def content_hash(source: Source, files: list[Path] | None) -> str:
@@ -113,18 +129,48 @@ def content_hash(source: Source, files: list[Path] | None) -> str:
     return h.hexdigest()
 
 
-def load(source: Source, files: list[Path] | None):
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def stop_of(error: BaseException | None) -> TrainingStopped | None:
+    """The TrainingStopped (SIGTERM) behind an error the libraries wrapped, if that is what it is."""
+    while error is not None:
+        if isinstance(error, TrainingStopped):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def no_room(error: BaseException | None) -> OSError | None:
+    """The 'disk full' (or quota) OSError behind an error, however deeply the libraries wrapped it."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in NO_ROOM:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def load(source: Source, files: list[Path] | None, raw_dir: Path | None = None):
     """The raw records as a `datasets.Dataset` (Arrow, memory-mapped), columns renamed to the
-    format's names."""
+    format's names. Local files are converted to Arrow under `raw_dir` (a fresh folder the caller
+    owns and removes), never read from `datasets`' own cache, which keys them by path and mtime.
+    A full disk there is raised as the OSError it is (the caller may build elsewhere)."""
     datasets.disable_progress_bars()
     try:
         if files is None:
             ds = datasets.load_dataset(source.path, source.config, split=source.split)
         else:
-            ds = datasets.load_dataset(SUFFIXES[files[0].suffix.lower()], data_files=[str(p) for p in files], split="train")
+            where = {"cache_dir": str(raw_dir)} if raw_dir is not None else {"download_mode": "force_redownload"}
+            ds = datasets.load_dataset(SUFFIXES[files[0].suffix.lower()], data_files=[str(p) for p in files], split="train", **where)
     except PermissionError:
         raise UserError(f"{source.option}: {source.path} is not readable (permission denied)") from None
     except Exception as e:  # datasets raises many types for a bad file or an unreachable hub
+        stopped = stop_of(e)
+        if stopped is not None:
+            raise stopped from None
+        full = no_room(e)
+        if full is not None:
+            raise full from None
         for path in files or []:
             if SUFFIXES[path.suffix.lower()] == "json":
                 check_json_file(path, source.option)  # finds the broken line, if that is the cause
@@ -146,22 +192,25 @@ def load(source: Source, files: list[Path] | None):
 
 
 def check_json_file(path: Path, option: str) -> None:
-    """Parse JSON / JSON-lines ourselves, so a broken line is reported with its number."""
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if path.suffix == ".json" and text.lstrip().startswith("["):
+    """Parse JSON / JSON-lines ourselves, so a broken line is reported with its number (a line at a
+    time: a large file is never held whole, except a .json array, which is one value)."""
+    with open(path, "rb") as f:
+        first = f.read(1 << 16).lstrip()
+    if path.suffix == ".json" and first.startswith(b"["):
         try:
-            rows = json.loads(text)
+            rows = json.loads(path.read_text(encoding="utf-8", errors="replace"))
         except json.JSONDecodeError as e:
             raise UserError(f"{option}: {path} is not valid JSON at line {e.lineno}: {e.msg}; fix that line") from None
         if not all(isinstance(r, dict) for r in rows):
             raise UserError(f"{option}: {path} must be a list of objects (one per sample)")
         return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{option}: {path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from None
-        if not isinstance(row, dict):
-            raise UserError(f'{option}: {path} line {number} is not a JSON object; each line must be one sample like {{"text": ...}}')
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{option}: {path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from None
+            if not isinstance(row, dict):
+                raise UserError(f'{option}: {path} line {number} is not a JSON object; each line must be one sample like {{"text": ...}}')

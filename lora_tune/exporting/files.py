@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from lora_tune import merger, shards
 from lora_tune.config import ExportConfig
 from lora_tune.errors import UserError
+from lora_tune.model_loading import load_config
+from lora_tune.model_structure import auto_class
 
 
 @dataclass
@@ -107,7 +108,8 @@ def open_source(cfg: ExportConfig) -> Source:
 
 def peft_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, trust_remote_code: bool) -> torch.Tensor:
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    auto = auto_class(load_config(str(base), trust_remote_code))
+    model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -115,7 +117,8 @@ def peft_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, trust_remote_c
 
 def model_logits(folder: Path, ids: torch.Tensor, trust_remote_code: bool) -> torch.Tensor:
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    auto = auto_class(load_config(str(folder), trust_remote_code))
+    model = auto.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
 

@@ -16,7 +16,7 @@ from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
 from lora_tune.planner.memory import Estimate, Setup, estimate, setup_from
-from lora_tune.planner.search import fits, search
+from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed, fits, search
 from lora_tune.planner.speed import relative_speed
 
 
@@ -62,15 +62,18 @@ def compute(cfg) -> Plan:
         best, est, nearest = search(arch, setup, gpu_bytes, cpu_bytes)
         if best is None:
             setup, est = nearest
-            text = "nothing fits; the nearest option:\n" + render.table(est, setup, gpu_bytes, cpu_bytes)
+            text = "nothing fits; the nearest option:\n" + render.table(est, setup, gpu_bytes, cpu_bytes, arch.layers)
         else:
             setup, command = best, render.train_command(cfg.base, best)
             recommended = asdict(best) | {"command": command}
-            table = render.table(est, best, gpu_bytes, cpu_bytes)
-            text = f"fastest setup that fits (relative speed {relative_speed(best):.2f}):\n{table}\n\n{command}"
+            table = render.table(est, best, gpu_bytes, cpu_bytes, arch.layers)
+            text = f"fastest setup that fits (relative speed {relative_speed(best, arch.layers):.2f}):\n{table}\n\n{command}"
     else:
+        if cfg.gradient_checkpointing == "auto":  # what train would choose on this GPU
+            budget = int(cfg.memory_budget * 2**30) if cfg.memory_budget is not None else int(BUDGET_SHARE * gpu_bytes)
+            setup = fewest_checkpointed(arch, setup, budget)
         est = estimate(arch, setup)
-        text = render.table(est, setup, gpu_bytes, cpu_bytes)
+        text = render.table(est, setup, gpu_bytes, cpu_bytes, arch.layers)
     for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch)):
         text = f"{text}\n{note}" if note else text
     return Plan(est, fits(est, gpu_bytes, cpu_bytes), setup, bool(cfg.auto), recommended, text)

@@ -158,12 +158,20 @@ def load_architecture(base: str) -> Architecture:
 
 
 def read_config_json(path: Path) -> dict:
-    """A model folder's config.json as transformers reads it: non-finite floats, which transformers
-    writes as {"__float__": "Infinity"} (Mamba-2 hybrids' time_step_limit), decoded."""
+    """A model folder's config.json, validated: one error line when it is unreadable or not a JSON
+    object. Non-finite floats, which transformers writes as {"__float__": "Infinity"} (Mamba-2
+    hybrids' time_step_limit), are decoded as transformers decodes them."""
+
+    def non_finite(obj: dict):
+        return float(obj["__float__"]) if obj.keys() == {"__float__"} and isinstance(obj["__float__"], str) else obj
+
     try:
-        return AutoConfig.from_pretrained(path.parent).to_dict()
-    except (OSError, ValueError, KeyError):  # remote code or a config transformers can't read: refused by its model type later
-        return json.loads(path.read_text())
+        config = json.loads(path.read_bytes(), object_hook=non_finite)
+    except (OSError, ValueError) as e:  # ValueError: not JSON, not UTF-8, or a "__float__" that isn't one
+        raise UserError(f"--base: {path} is unreadable or not JSON ({first_line(e)}); restore it from the model's source") from None
+    if not isinstance(config, dict):
+        raise UserError(f"--base: {path} is not a model config (a JSON object); restore it from the model's source")
+    return config
 
 
 def unquantized_experts(precision: str, fused: int, total: int) -> str | None:

@@ -57,6 +57,7 @@ class Setup:
     micro_batch_size: int = 1
     max_seq_len: int = 2048
     gradient_checkpointing: bool = True
+    kept_layers: int = 0  # with checkpointing: decoder layers (the last ones) that keep their activations
     optim: str = "adamw_8bit"
     loss_chunk_size: int | None = None  # None: lora_tune.loss.auto_chunk_size; 0: full logits
     activation_offload: bool = False
@@ -100,7 +101,7 @@ def setup_from(cfg) -> Setup:
         target_modules=tuple(cfg.target_modules) if cfg.target_modules else None,
         micro_batch_size=cfg.micro_batch_size,
         max_seq_len=cfg.max_seq_len,
-        gradient_checkpointing=cfg.gradient_checkpointing,
+        gradient_checkpointing=cfg.gradient_checkpointing != "off",  # auto: every layer, until a budget decides (search.py)
         optim="adamw" if cfg.optim == "adamw" else "adamw_8bit",
         loss_chunk_size=cfg.loss_chunk_size,
         activation_offload=cfg.activation_offload,
@@ -208,19 +209,24 @@ def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
     return norms + attention + mlp + lora / arch.layers
 
 
+def recomputed_layers(arch: Architecture, setup: Setup) -> int:
+    """Decoder layers whose forward runs again in backward (gradient checkpointing)."""
+    return arch.layers - min(setup.kept_layers, arch.layers) if setup.gradient_checkpointing else 0
+
+
 def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
     """(saved for backward, peak during backward) for one micro-batch, logits excluded."""
     e = ELEMENT[setup.precision]
     rope = 2 * e * arch.head_dim * setup.max_seq_len
     full_layer = int(layer_activation_bytes_per_token(arch, setup) * setup.tokens) + rope
     final_norm = (4 * arch.hidden + 4) * setup.tokens
-    if not setup.gradient_checkpointing:
-        saved = arch.layers * full_layer + final_norm
-        return saved, saved
-    # Each layer keeps its input (on the host with activation offload), one is rebuilt at a time.
-    kept = 0 if setup.activation_offload else arch.layers * e * arch.hidden * setup.tokens
-    saved = kept + final_norm
-    return saved, saved + full_layer
+    recomputed = recomputed_layers(arch, setup)
+    whole = (arch.layers - recomputed) * full_layer + final_norm  # layers that keep all their activations
+    if not recomputed:
+        return whole, whole
+    # Each checkpointed layer keeps its input (on the host with activation offload); one is rebuilt at a time.
+    inputs = 0 if setup.activation_offload else recomputed * e * arch.hidden * setup.tokens
+    return whole + inputs, whole + inputs + full_layer
 
 
 def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
@@ -249,8 +255,8 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
         "offloaded_optimizer_bytes": placed.host_optimizer * setup.gpus,
         "offloaded_weights_bytes": placed.host_weights * setup.gpus,
         "offloaded_activations_bytes": (
-            setup.gpus * arch.layers * ELEMENT[setup.precision] * arch.hidden * setup.tokens
-            if setup.activation_offload and setup.gradient_checkpointing
+            setup.gpus * recomputed_layers(arch, setup) * ELEMENT[setup.precision] * arch.hidden * setup.tokens
+            if setup.activation_offload
             else 0
         ),
         # Each process streams the checkpoint shard by shard (or layer by layer, which is less).

@@ -3,6 +3,8 @@ advice printed on an out-of-memory stop."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from lora_tune import engines
 from lora_tune.planner import speed
 from lora_tune.planner.architecture import Architecture, unquantized_experts
@@ -24,12 +26,21 @@ def gib(x: int) -> str:
     return f"{x / GIB:8.2f} GiB"
 
 
-def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> str:
+def checkpointing_text(setup: Setup, layers: int) -> str:
+    if not setup.gradient_checkpointing:
+        return "checkpointing off"
+    if not setup.kept_layers:
+        return "checkpointing on"
+    gain = 1 - speed.checkpointing_cost(setup, layers) / speed.checkpointing_cost(replace(setup, kept_layers=0), layers)
+    return f"checkpointing {layers - setup.kept_layers} of {layers} layers (auto; step time ~{gain:.0%} below every layer)"
+
+
+def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, layers: int = 1) -> str:
     backend = engines.BACKENDS[setup.backend].label(setup.zero)
     unit = "" if setup.sequences_per_unit == 1 else f" x {setup.sequences_per_unit} sequences ({setup.objective})"
     rows = [
         f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}, "
-        f"checkpointing {'on' if setup.gradient_checkpointing else 'off'}, {setup.optim}, {backend}, offload {setup.offload}, "
+        f"{checkpointing_text(setup, layers)}, {setup.optim}, {backend}, offload {setup.offload}, "
         f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
         f"trainable (LoRA) parameters: {est.trainable_parameters:,}",
         "per device:",
@@ -64,7 +75,7 @@ def train_command(base: str, setup: Setup) -> str:
         f"--max-seq-len {setup.max_seq_len}",
         f"--optim {setup.optim}",
         *([f"--objective {setup.objective}"] if setup.objective != "sft" else []),
-        "--gradient-checkpointing" if setup.gradient_checkpointing else "--no-gradient-checkpointing",
+        "--gradient-checkpointing " + ("auto" if setup.kept_layers else "on" if setup.gradient_checkpointing else "off"),
     ]
     if setup.activation_offload:
         parts.append("--activation-offload")

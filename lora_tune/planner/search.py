@@ -13,7 +13,7 @@ SEARCHED_PRECISIONS = ("bf16", "8bit", "4bit")  # fp32 and fp16 are never the fa
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
 
-def candidates(base: Setup, arch: Architecture):
+def candidates(base: Setup, arch: Architecture, gpu_bytes: int):
     """Setups `train` runs (the backends' compatibility cells, and for this model), so the
     recommended command is exact."""
     cells = [
@@ -28,16 +28,39 @@ def candidates(base: Setup, arch: Architecture):
             continue  # sharding over one GPU only matters with offload
         for ckpt, act_offload in ((False, False), (True, False), (True, True)):
             for mbs in MICRO_BATCHES:
-                yield replace(
+                setup = replace(
                     base,
                     precision=cell.precision,
                     backend=cell.backend,
                     zero=cell.zero,
                     offload=cell.offload,
                     gradient_checkpointing=ckpt,
+                    kept_layers=0,
                     activation_offload=act_offload,
                     micro_batch_size=mbs,
                 )
+                yield setup
+                if ckpt and not act_offload:  # what --gradient-checkpointing auto would choose on this GPU
+                    yield fewest_checkpointed(arch, setup, int(BUDGET_SHARE * gpu_bytes))
+
+
+BUDGET_SHARE = 0.9  # --gradient-checkpointing auto plans for the GPU's memory less 10% unless given a budget
+
+
+def fewest_checkpointed(arch: Architecture, setup: Setup, budget_bytes: int) -> Setup:
+    """The setup with the fewest checkpointed decoder layers whose plan fits the budget (the others
+    keep their activations); every layer when even that does not fit; none when all fit."""
+    if estimate(arch, replace(setup, gradient_checkpointing=False, kept_layers=0)).per_device["total_bytes"] <= budget_bytes:
+        return replace(setup, gradient_checkpointing=False, kept_layers=0)
+    # Peak memory grows with every layer kept: the largest number kept that still fits.
+    low, high = 0, arch.layers - 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if estimate(arch, replace(setup, gradient_checkpointing=True, kept_layers=middle)).per_device["total_bytes"] <= budget_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return replace(setup, gradient_checkpointing=True, kept_layers=low)
 
 
 def fits(est: Estimate, gpu_bytes: int, cpu_bytes: int | None) -> bool:
@@ -46,10 +69,10 @@ def fits(est: Estimate, gpu_bytes: int, cpu_bytes: int | None) -> bool:
 
 def search(arch: Architecture, base: Setup, gpu_bytes: int, cpu_bytes: int | None):
     """(best fitting setup or None, its estimate, nearest (setup, estimate) when none fits)."""
-    scored = [(s, estimate(arch, s)) for s in candidates(base, arch)]
+    scored = [(s, estimate(arch, s)) for s in candidates(base, arch, gpu_bytes)]
     fitting = [(s, e) for s, e in scored if fits(e, gpu_bytes, cpu_bytes)]
     if fitting:
-        best = max(fitting, key=lambda se: (relative_speed(se[0]), -se[1].per_device["total_bytes"]))
+        best = max(fitting, key=lambda se: (relative_speed(se[0], arch.layers), -se[1].per_device["total_bytes"]))
         return best[0], best[1], None
     nearest = min(scored, key=lambda se: se[1].per_device["total_bytes"])
     return None, None, nearest

@@ -10,17 +10,25 @@ from lora_tune.planner.memory import Setup
 
 SLOWDOWN = {
     "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 2.5, "8bit": 1.6, "4bit": 1.3},
-    "checkpointing": {False: 1.0, True: 1.33},  # one extra forward
     "activation_offload": {False: 1.0, True: 1.1},  # a device-to-host copy per layer in forward, back in backward
 }
+RECOMPUTE = 1 / 3  # checkpointing every layer: one more forward, a third of forward + backward
 
 
-def relative_speed(setup: Setup) -> float:
-    """Relative tokens/s of the whole job: more GPUs help, small micro-batches leave each underused."""
+def checkpointing_cost(setup: Setup, layers: int) -> float:
+    """Step time relative to no checkpointing: the recomputed share of the layers' forward."""
+    if not setup.gradient_checkpointing:
+        return 1.0
+    return 1 + RECOMPUTE * (layers - min(setup.kept_layers, layers)) / layers
+
+
+def relative_speed(setup: Setup, layers: int = 1) -> float:
+    """Relative tokens/s of the whole job: more GPUs help, small micro-batches leave each underused.
+    `layers`: the model's decoder layers (what a partial checkpointing is a share of)."""
     utilisation = min(1.0, setup.tokens / 8192) ** 0.3
     cost = (
         SLOWDOWN["precision"][setup.precision]
-        * SLOWDOWN["checkpointing"][setup.gradient_checkpointing]
+        * checkpointing_cost(setup, layers)
         * engines.BACKENDS[setup.backend].slowdown(setup.zero, setup.offload)
         * SLOWDOWN["activation_offload"][setup.activation_offload]
     )

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lora_tune.data import prepare_data
 from lora_tune.errors import UserError
@@ -39,3 +44,39 @@ def test_sources_mix_in_their_weights_deterministically(tmp_path, tokenizer):
     assert prepare_data(data_config([str(a), str(b)], data_weights=[1.0, 3.0]), tokenizer).fingerprint != mixed.fingerprint
     with pytest.raises(UserError, match="2 weights for 1 sources"):
         prepare_data(data_config([str(a)], data_weights=[1.0, 2.0]), tokenizer)
+
+
+# --- any rows at all: the data stage answers with samples or one UserError, nothing else -------------------
+SCALARS = st.none() | st.booleans() | st.integers(-200, 70_000) | st.floats(allow_nan=True) | st.text(max_size=30)
+VALUES = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12
+)
+COLUMNS = ("text", "instruction", "input", "output", "prompt", "completion", "messages", "conversations", "input_ids", "labels")
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "bot", 3]), "content": SCALARS | VALUES})
+ROW = st.fixed_dictionaries(
+    {},
+    optional={
+        **{c: VALUES for c in COLUMNS},
+        "text": st.text(max_size=60) | VALUES,
+        "messages": st.lists(MESSAGE, max_size=4) | VALUES,
+        "input_ids": st.lists(st.integers(-5, 70_000), max_size=12) | VALUES,
+        "labels": st.lists(st.integers(-101, 70_000), max_size=12) | VALUES,
+    },
+)
+
+
+EXAMPLES = int(os.environ.get("LORA_TUNE_EXAMPLES", 40))  # more for a longer hunt
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(ROW, min_size=1, max_size=4))
+def test_any_rows_give_samples_or_one_user_error(rows, tmp_path, tokenizer):
+    path = tmp_path / "any.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    try:
+        prepared = prepare_data(data_config(path, data_cache=False, max_seq_len=64), tokenizer)
+    except UserError as e:
+        assert "\n" not in str(e) and str(e).startswith("--data"), str(e)
+        return
+    assert all(len(s.input_ids) == len(s.labels) <= 64 for s in prepared.train)
+    assert all(0 <= t < len(tokenizer) for s in prepared.train for t in s.input_ids)

@@ -6,9 +6,12 @@ import json
 
 import pytest
 
+import lora_tune.inputs
 from lora_tune.data.formats.alpaca import NO_INPUT
 from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
+
+from helpers import fast_train_args, run_cli, single_error_line
 
 
 def test_text_lines_are_prompts_as_written(tmp_path, tokenizer):
@@ -34,6 +37,11 @@ def test_jsonl_rows_are_rendered_like_their_training_format(tmp_path, tokenizer)
         ("\n".join(f"p{i}" for i in range(9)), "holds 9 prompts; give at most 8"),
         ('{"prompt": 1}\n', "line 1 needs a 'prompt', 'instruction' or 'messages' field"),
         ("not json\n", "line 1 is not valid JSON"),
+        ('{"prompt": "ok"}\n[1, 2]\n', "line 2 is a JSON list; each line must be an object"),
+        ('"a json string"\n', "line 1 is a JSON str"),
+        ('{"instruction": "Add.", "input": 3}\n', "line 1: 'input' must be a string"),
+        ('{"messages": "hi"}\n', "line 1: 'messages' must be a list of"),
+        ('{"messages": [{"role": "user", "content": 5}]}\n', "content must be a string or a list of text parts"),
     ],
 )
 def test_a_bad_prompt_file_is_one_error_naming_the_line(tmp_path, tokenizer, content, message):
@@ -41,3 +49,23 @@ def test_a_bad_prompt_file_is_one_error_naming_the_line(tmp_path, tokenizer, con
     path.write_text(content)
     with pytest.raises(UserError, match=message):
         read_eval_prompts(str(path), tokenizer)
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+@pytest.mark.parametrize("data,message", [(b"\xff\xfe\x00\x01 binary", "is not UTF-8 text"), (b"ok\x00\x00\n", "holds binary data")])
+def test_a_binary_prompt_file_is_one_error(suffix, data, message, tmp_path, tokenizer):
+    path = tmp_path / f"p{suffix}"
+    path.write_bytes(data)
+    with pytest.raises(UserError, match=f"--eval-prompts: .* {message}"):
+        read_eval_prompts(str(path), tokenizer)
+
+
+def test_bad_eval_prompts_are_refused_before_the_data_stage(tiny_model, data_files, tmp_path, capsys, monkeypatch):
+    def no_data_stage(*a, **k):
+        raise AssertionError("the prompts must be checked before the data is tokenized")
+
+    monkeypatch.setattr(lora_tune.inputs, "prepare_data", no_data_stage)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "ok"}\n[1]\n')
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "run", eval_prompts=prompts), capsys)
+    assert code == 2 and "line 2 is a JSON list" in single_error_line(err)

@@ -8,6 +8,9 @@ import sys
 
 import pytest
 
+import lora_tune
+from lora_tune.errors import UserError
+
 from helpers import ROOT, run_cli, single_error_line
 
 
@@ -26,11 +29,31 @@ def test_plan_accepts_a_training_config(capsys):
         (["--base", "llama-8b", "--offload", "cpu"], "--offload needs a sharding backend"),
         (["--base", "llama-8b", "--gpus", "0"], "--gpus"),
         (["--base", "/no/such/model"], "does not exist"),
+        (["--base", "llama-8b", "--gpu-memory", "24"], "--gpu-memory: '24' is a bare number, neither a size with its unit nor a GPU"),
+        (["--base", "llama-8b", "--gpu-memory", "4080"], "--gpu-memory: '4080' is a bare number"),
+        (["--base", "llama-8b", "--gpu-memory", "a100"], "--gpu-memory: 'a100' comes in more than one size; write a100-40 or a100-80"),
+        (["--base", "llama-8b", "--cpu-memory", "512"], "--cpu-memory: '512' has no unit; write e.g. 512GB or 512GiB"),
     ],
 )
 def test_plan_bad_input(argv, expected, capsys):
     code, _, err = run_cli(["plan", *argv], capsys)
     assert code == 2 and expected in single_error_line(err)
+
+
+@pytest.mark.parametrize(
+    "typed,name", [("4090", "rtx4090"), ("RTX 4090", "rtx4090"), ("h100", "h100-80"), ("A100-80GB", "a100-80"), ("a10", "a10g")]
+)
+def test_gpu_names_as_people_shorten_them_are_recognised(typed, name):
+    assert lora_tune.plan(base="llama-8b", gpu_memory=typed).to_json() == lora_tune.plan(base="llama-8b", gpu_memory=name).to_json()
+
+
+def test_a_bare_number_in_a_yaml_config_or_the_api_is_refused_with_the_hint(tmp_path, capsys):
+    config = tmp_path / "plan.yaml"
+    config.write_text("base: llama-8b\ngpu_memory: 24\n")
+    code, _, err = run_cli(["plan", "--config", config], capsys)
+    assert code == 2 and "--gpu-memory: '24' is a bare number" in single_error_line(err)
+    with pytest.raises(UserError, match="--cpu-memory: '512' has no unit"):
+        lora_tune.plan(base="llama-8b", cpu_memory=512)
 
 
 def test_gpu_benchmark_script_runs_on_cpu_with_the_tiny_model():

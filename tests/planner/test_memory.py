@@ -4,11 +4,12 @@ autograd really saves, hand-checked 70B figures, and how each backend's placemen
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
-from lora_tune.adapter import add_lora
+from lora_tune.adapter import Checkpointing, add_lora
 from lora_tune.batching import collate
 from lora_tune.config import TrainConfig
 from lora_tune.data import Sample
@@ -142,13 +143,14 @@ def test_model_states_are_exact(precision, optim, tiny_model):
         assert estimate.per_device[key] == value, key
 
 
-def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int, chunk: int) -> int:
+def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int, chunk: int, kept: int = 0) -> int:
     """Bytes autograd keeps for backward during one forward through the training loss (parameters
-    and their casts excluded)."""
+    and their casts excluded); `kept`: checkpointed decoder layers that keep their activations."""
     cfg = TrainConfig(
         base=str(tiny_model), data="d", output_dir="o", precision=precision, rank=8, gradient_checkpointing=checkpointing, dropout=0.0
     )
-    model = CausalLMLoss(add_lora(load_base_model(str(tiny_model), precision, torch.device("cpu")), cfg, "b"), chunk)
+    base = load_base_model(str(tiny_model), precision, torch.device("cpu"))
+    model = CausalLMLoss(add_lora(base, cfg, "b", checkpointing=Checkpointing(checkpointing, kept)), chunk)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     small = 0
@@ -184,6 +186,24 @@ def test_activations_within_10_percent_of_saved_tensors(precision, checkpointing
     )
     planned = plan.estimate(load_architecture(str(tiny_model)), setup).saved_activations_bytes
     assert planned == pytest.approx(measured, rel=0.10), (planned, measured)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_layer_kept_out_of_checkpointing_keeps_what_the_plan_says(precision, tiny_model):
+    """Partial checkpointing (--gradient-checkpointing auto): one of the two layers recomputed, the
+    other keeping its activations; measured between the all and none cases, as planned."""
+    seq, batch = 128, 2
+    measured = {kept: _saved_bytes(tiny_model, precision, True, seq, batch, 1024, kept) for kept in (0, 1, 2)}
+    assert measured[0] < measured[1] < measured[2]
+    arch = load_architecture(str(tiny_model))
+    for kept, value in measured.items():
+        setup = plan.Setup(precision=precision, rank=8, micro_batch_size=batch, max_seq_len=seq, kept_layers=kept, loss_chunk_size=1024)
+        assert plan.estimate(arch, setup).saved_activations_bytes == pytest.approx(value, rel=0.10), kept
+    everything = plan.Setup(precision=precision, rank=8, micro_batch_size=batch, max_seq_len=seq, gradient_checkpointing=False)
+    assert (
+        plan.estimate(arch, everything).saved_activations_bytes
+        == plan.estimate(arch, replace(everything, gradient_checkpointing=True, kept_layers=2)).saved_activations_bytes
+    )
 
 
 def test_checkpointing_cuts_planned_activations_for_a_70b():

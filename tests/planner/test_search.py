@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
+from dataclasses import replace
 
 import pytest
 
 from lora_tune.cli import build_parser, config_from_args
 from lora_tune.config import TrainConfig
 from lora_tune.engines import check_compatibility
+from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import GPUS
+from lora_tune.planner.memory import Setup, estimate
+from lora_tune.planner.search import fewest_checkpointed
+from lora_tune.planner.speed import checkpointing_cost
 
 from helpers import run_cli
 
@@ -52,3 +58,59 @@ def test_auto_commands_are_exact_train_commands(argv, capsys):
     assert words[:2] == ["lora-tune", "train"]
     cfg = config_from_args(TrainConfig, build_parser().parse_args(words[1:]))
     check_compatibility(cfg)
+
+
+def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit():
+    """Between every layer checkpointed and none, the largest number of layers keeping their
+    activations whose plan fits the budget; none checkpointed when all fits; all when nothing does."""
+    arch = load_architecture("llama-8b")
+    setup = Setup(precision="bf16", rank=16, micro_batch_size=4, max_seq_len=4096)
+    total = {kept: estimate(arch, replace(setup, kept_layers=kept)).per_device["total_bytes"] for kept in (0, 16, 17, 32)}
+    assert total[0] < total[16] < total[17] < total[32]
+    half = fewest_checkpointed(arch, setup, (total[16] + total[17]) // 2)
+    assert (half.gradient_checkpointing, half.kept_layers) == (True, 16)
+    off = fewest_checkpointed(arch, setup, estimate(arch, replace(setup, gradient_checkpointing=False)).per_device["total_bytes"])
+    assert (off.gradient_checkpointing, off.kept_layers) == (False, 0)
+    assert fewest_checkpointed(arch, setup, total[0] - 1).kept_layers == 0
+    # Keeping half the layers' activations saves half the recompute: a sixth of a fully checkpointed step.
+    assert checkpointing_cost(half, arch.layers) == pytest.approx(1 + 1 / 6)
+
+
+def test_plan_shows_what_auto_checkpointing_chooses_and_train_takes_the_command(capsys):
+    code, out, err = run_cli(
+        [
+            "plan",
+            "--base",
+            "llama-8b",
+            "--precision",
+            "bf16",
+            "--max-seq-len",
+            "4096",
+            "--micro-batch-size",
+            "4",
+            "--gradient-checkpointing",
+            "auto",
+            "--gpu-memory",
+            "a100-80",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert re.search(r"checkpointing (\d+) of 32 layers \(auto; step time ~\d+% below every layer\)", out), out
+    code, out, err = run_cli(
+        [
+            "plan",
+            "--base",
+            "llama-8b",
+            "--precision",
+            "bf16",
+            "--gradient-checkpointing",
+            "auto",
+            "--memory-budget",
+            "200",
+            "--gpu-memory",
+            "h200",
+        ],
+        capsys,
+    )
+    assert code == 0 and "checkpointing off" in out, err

@@ -2,6 +2,7 @@
 optional `attention_mask` (0 marks padding, which is removed)."""
 
 from lora_tune.errors import UserError
+from lora_tune.loss import IGNORE
 
 NAME = "pretokenized"
 COLUMNS = ("input_ids",)
@@ -25,6 +26,13 @@ def tokens(record: dict, where: str, vocab_size: int) -> tuple[list[int], list[i
         labels = list(ids)
     elif not isinstance(labels, list) or len(labels) != len(ids):
         raise UserError(f"{where}: 'labels' must be a list as long as 'input_ids' ({len(ids)})")
+    else:
+        wrong = [t for t in labels if isinstance(t, bool) or not isinstance(t, int) or not (t == IGNORE or 0 <= t < vocab_size)]
+        if wrong:
+            raise UserError(
+                f"{where}: label {wrong[0]!r} is neither a token id of the tokenizer's vocabulary (0..{vocab_size - 1}) nor {IGNORE} "
+                "(no loss); was it tokenized for another model?"
+            )
     mask = record.get("attention_mask")
     if mask is not None:
         if not isinstance(mask, list) or len(mask) != len(ids):

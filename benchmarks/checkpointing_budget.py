@@ -1,0 +1,103 @@
+"""`--gradient-checkpointing auto` with a budget that lets half the layers keep their activations,
+side by side in one run with every layer checkpointed and none: the measured step time against the
+plan's prediction, and the plan's peak against the budget.
+
+Model: train_vs_peers.py's Llama-shaped `cpu` model (4 layers, 32k vocabulary), fp32, LoRA r16 on
+every linear layer; equal-length samples (every micro-batch the same 4 x 1,024 tokens, so step
+times compare); 6 steps, the first left out (warm-up). Each route is a fresh `lora-tune train`.
+
+    python benchmarks/checkpointing_budget.py [--steps 6] [--workdir DIR] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from train_vs_peers import build_model, long_tail_rows
+
+
+def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str]) -> dict:
+    argv = [sys.executable, "-m", "lora_tune", "train", "--base", str(base), "--data", str(data), "--output-dir", str(out)]
+    argv += ["--precision", "fp32", "--rank", "16", "--micro-batch-size", "4", "--max-seq-len", str(seq), "--max-steps", str(steps)]
+    argv += ["--optim", "adamw", "--no-data-cache", *extra]
+    t = time.perf_counter()
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"route failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in rows if "loss" in r]
+    chosen = next((line for line in proc.stderr.splitlines() if line.startswith("gradient checkpointing (auto)")), "")
+    return {
+        "step_seconds": statistics.median(r["step_seconds"] for r in steps_[1:]),
+        "peak": max(r["peak_memory_bytes"] for r in steps_),
+        "losses": [r["loss"] for r in steps_],
+        "wall": time.perf_counter() - t,
+        "log": chosen,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--tiny", action="store_true", help="a 4-layer tiny model and short rows (for the test suite)")
+    args = parser.parse_args()
+    from lora_tune.config import TrainConfig
+    from lora_tune.planner.architecture import load_architecture
+    from lora_tune.planner.memory import estimate, setup_from
+    from lora_tune.planner.speed import checkpointing_cost
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="checkpointing-budget-"))
+    work.mkdir(parents=True, exist_ok=True)
+    seq = 1024
+    rows = long_tail_rows(16 if args.tiny else 24, seed=0, equal_length=True)
+    data = work / "equal.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shape = "tiny4" if args.tiny else "cpu"
+    base = build_model(work / f"model-{shape}", shape, [" ".join(r.values()) for r in rows])
+    arch = load_architecture(str(base))
+    setup = setup_from(
+        TrainConfig(base=str(base), data=str(data), output_dir="o", precision="fp32", rank=16, micro_batch_size=4, max_seq_len=seq)
+    )
+    half = arch.layers // 2
+    totals = {k: estimate(arch, replace(setup, kept_layers=k)).per_device["total_bytes"] for k in (half, half + 1)}
+    budget = (totals[half] + totals[half + 1]) / 2 / 2**30  # room for half the layers' activations, not one more
+    routes = {
+        "every layer (on)": ["--gradient-checkpointing", "on"],
+        f"auto, --memory-budget {budget:.3f} GiB": ["--gradient-checkpointing", "auto", "--memory-budget", f"{budget:.6f}"],
+        "none (off)": ["--gradient-checkpointing", "off"],
+    }
+    results = {name: run(base, data, work / str(i), seq, args.steps, extra) for i, (name, extra) in enumerate(routes.items())}
+    print(
+        f"Llama-shaped ({shape}) fp32 model, {arch.layers} layers, micro-batch 4 x {seq} tokens of equal-length samples, {args.steps} steps"
+    )
+    print("| checkpointing | median step s | peak MiB (measured) | plan GiB |")
+    print("|---|---|---|---|")
+    planned = {
+        "every layer (on)": replace(setup, kept_layers=0),
+        "none (off)": replace(setup, gradient_checkpointing=False),
+    }
+    planned[next(n for n in routes if n.startswith("auto"))] = replace(setup, kept_layers=half)
+    for name, r in results.items():
+        plan_gib = estimate(arch, planned[name]).per_device["total_bytes"] / 2**30
+        print(f"| {name} | {r['step_seconds']:.3f} | {r['peak'] / 2**20:,.0f} | {plan_gib:.3f} |")
+    auto_name = next(n for n in routes if n.startswith("auto"))
+    on, auto = results["every layer (on)"], results[auto_name]
+    measured = 1 - auto["step_seconds"] / on["step_seconds"]
+    predicted = 1 - checkpointing_cost(planned[auto_name], arch.layers) / checkpointing_cost(planned["every layer (on)"], arch.layers)
+    print()
+    print(auto["log"])
+    print(f"step time saved vs every layer: measured {measured:.1%}, planned {predicted:.1%} (ratio {measured / predicted:.2f})")
+    print(f"same losses on every route: {len({tuple(r['losses']) for r in results.values()}) == 1}")
+
+
+if __name__ == "__main__":
+    main()
