@@ -8,6 +8,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import bitsandbytes as bnb
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
@@ -36,7 +37,9 @@ def is_linear(module) -> bool:
 def is_plain_linear(module) -> bool:
     """A linear layer that computes x W^T + b, which is what a LoRA pair beside it adds to: not an
     nn.Linear subclass with a forward of its own (DeepSeek-V4's grouped output projection)."""
-    return isinstance(module, Conv1D) or (isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward)
+    if isinstance(module, (Conv1D, bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):  # bitsandbytes: the same product, quantized
+        return True
+    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
 
 
 def block_path(name: str) -> str:

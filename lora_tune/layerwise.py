@@ -230,10 +230,26 @@ def fill(unit: torch.nn.Module, unit_name: str, reader: CheckpointReader, config
             try:
                 with torch.device(device):
                     fresh = type(module)(config=configs[owner] if owner is not None else config)
-            except TypeError as e:
-                raise NotStreamable(f"can't rebuild the buffers of {type(module).__name__} ({e})") from None
+            except TypeError:
+                # Not built from a config (Gemma 3's scaled embedding): its sub-model's own
+                # initialisation sets the buffers, as from_pretrained does for buffers the files don't
+                # hold; the tensors just read are marked initialised, so it leaves them alone.
+                init_buffers(module, meta_buffers, dict(unit.named_modules()).get(owner, unit), device)
+                continue
             for n in meta_buffers:
                 module.register_buffer(n, getattr(fresh, n), persistent=n not in module._non_persistent_buffers_set)
+
+
+def init_buffers(module: torch.nn.Module, names: list[str], owner: torch.nn.Module, device: torch.device) -> None:
+    """`module`'s meta buffers `names` set by `owner`'s (a PreTrainedModel's) `_init_weights`."""
+    if not isinstance(owner, PreTrainedModel):
+        raise NotStreamable(f"can't rebuild the buffers of {type(module).__name__} (no model initialises them)")
+    for tensor in module.parameters(recurse=False):
+        tensor._is_hf_initialized = True
+    for n in names:
+        persistent = n not in module._non_persistent_buffers_set
+        module.register_buffer(n, torch.empty_like(getattr(module, n), device=device), persistent=persistent)
+    owner._init_weights(module)
 
 
 def load_layer_by_layer(
