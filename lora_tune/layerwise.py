@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,7 +97,9 @@ def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
 
 def checkpoint_key(name: str) -> str:
     """The checkpoint's name of a parameter of the (peft-wrapped) model."""
-    return name.removeprefix("peft_model.").removeprefix("base_model.model.").replace(".base_layer.", ".")
+    # peft nests a wrapper per adapted parameter of one module (fused experts: gate_up_proj and
+    # down_proj), so `.base_layer` can repeat.
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("peft_model.").removeprefix("base_model.model."))
 
 
 def build_skeleton(
