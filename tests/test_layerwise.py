@@ -30,8 +30,9 @@ def test_decoder_layers_are_found_by_the_models_own_declaration(tiny_model):
     assert [name for name, _ in layers] == ["model.layers.0", "model.layers.1"]
 
 
-def test_filled_layer_by_layer_equals_from_pretrained(tiny_model):
-    skeleton, reader = layerwise.build_skeleton(str(tiny_model), "fp32", trust_remote_code=False)
+def filled(base):
+    """The fp32 skeleton of `base` filled layer by layer on the CPU, and the units in the order they were partitioned."""
+    skeleton, reader = layerwise.build_skeleton(str(base), "fp32", trust_remote_code=False)
     partitioned = []
     layerwise.load_layer_by_layer(
         skeleton,
@@ -42,6 +43,11 @@ def test_filled_layer_by_layer_equals_from_pretrained(tiny_model):
         partition=lambda layer: partitioned.append(layer),
         partition_root=lambda root: partitioned.append(root),
     )
+    return skeleton, partitioned
+
+
+def test_filled_layer_by_layer_equals_from_pretrained(tiny_model):
+    skeleton, partitioned = filled(tiny_model)
     assert len(partitioned) == 3 and partitioned[-1] is skeleton  # each layer before the next is read, the root last
     reference = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     ids = torch.randint(3, 500, (1, 16), generator=torch.Generator().manual_seed(0))
@@ -56,17 +62,7 @@ def test_a_converted_checkpoint_is_filled_as_from_pretrained_converts_it(model_t
     layer with transformers' own conversion mapping (the language model's layers first, the vision
     tower with the rest)."""
     base = build_tiny_model(model_type, tmp_path / model_type)
-    skeleton, reader = layerwise.build_skeleton(str(base), "fp32", trust_remote_code=False)
-    partitioned = []
-    layerwise.load_layer_by_layer(
-        skeleton,
-        reader,
-        torch.device("cpu"),
-        "fp32",
-        init_adapter=lambda unit, name: None,
-        partition=lambda layer: partitioned.append(layer),
-        partition_root=lambda root: partitioned.append(root),
-    )
+    skeleton, partitioned = filled(base)
     reference = auto_class(load_config(str(base))).from_pretrained(base, dtype=torch.float32).eval()
     assert len(partitioned) == len(layerwise.decoder_layers(reference)) + 1 > 2
     want, got = reference.state_dict(), skeleton.state_dict()
@@ -87,6 +83,11 @@ def test_a_checkpoint_under_other_names_is_not_streamable(tiny_model, tmp_path):
 
 
 def test_checkpoint_keys_drop_the_peft_wrapping():
+    # Fused experts with two adapted parameters are wrapped twice.
+    assert (
+        layerwise.checkpoint_key("peft_model.base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj")
+        == "model.layers.0.mlp.experts.gate_up_proj"
+    )
     assert (
         layerwise.checkpoint_key("peft_model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
         == "model.layers.0.self_attn.q_proj.weight"
