@@ -43,6 +43,49 @@ ALIASES = {
         Alias("mixtral-8x7b", "mistralai/Mixtral-8x7B-v0.1", "Mixtral 8x7B (MoE: 8 experts, 2 active)"),
         Alias("gemma2-9b", "google/gemma-2-9b", "Gemma-2 9B"),
         Alias("phi3-mini", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 mini 4k (fused qkv and gate_up)"),
+        # Current releases. "Config rebuilt" means the shipped config.json was written from the model card's published
+        # architecture (the hub was unreachable when it was added), not copied from the repository; its parameter
+        # count matches the published one (tests/test_aliases.py).
+        Alias("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", "Qwen3 30B-A3B (MoE: 128 experts, 8 active)"),
+        Alias(
+            "qwen3-235b-a22b", "Qwen/Qwen3-235B-A22B", "Qwen3 235B-A22B (MoE: 128 experts, 8 active; config rebuilt from the model card)"
+        ),
+        Alias(
+            "qwen3-next-80b-a3b",
+            "Qwen/Qwen3-Next-80B-A3B-Instruct",
+            "Qwen3-Next 80B-A3B (gated delta net + attention, 512 experts + shared; config rebuilt from the model card)",
+        ),
+        Alias(
+            "gemma3-27b", "google/gemma-3-27b-pt", "Gemma 3 27B (image-text checkpoint, SigLIP tower; config rebuilt from the model card)"
+        ),
+        Alias(
+            "llama4-scout",
+            "meta-llama/Llama-4-Scout-17B-16E",
+            "Llama 4 Scout 17B-16E (image-text, MoE: 16 experts + shared; config rebuilt from the model card)",
+        ),
+        Alias("gpt-oss-20b", "openai/gpt-oss-20b", "gpt-oss 20B (MoE, MXFP4 experts: trained and merged dequantized)"),
+        Alias(
+            "gpt-oss-120b",
+            "openai/gpt-oss-120b",
+            "gpt-oss 120B (MoE, MXFP4 experts: trained and merged dequantized; config: gpt-oss-20b's with the published 36 layers, "
+            "128 experts)",
+        ),
+        Alias(
+            "glm4.5-air",
+            "zai-org/GLM-4.5-Air",
+            "GLM-4.5-Air (MoE: 128 experts + shared, dense first layer; config rebuilt from the model card)",
+        ),
+        Alias(
+            "mistral-small3.2-24b",
+            "mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+            "Mistral Small 3.2 24B (image-text checkpoint, Pixtral tower; config rebuilt from the model card)",
+        ),
+        Alias(
+            "deepseek-v3",
+            "deepseek-ai/DeepSeek-V3",
+            "DeepSeek-V3 671B (MLA, 256 experts + shared, 3 dense layers, FP8 weights: trained dequantized; config rebuilt from the "
+            "model card)",
+        ),
         Alias("tiny-llama", "local:tiny-llama", "2-layer Llama with random weights, built offline (demo and tests)"),
     ]
 }

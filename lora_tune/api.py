@@ -26,7 +26,7 @@ quiet_libraries()  # before the libraries below load (bitsandbytes speaks at imp
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from lora_tune import distributed, engines, evaluation, exporting, launcher, merger, planner, recipe, reporting, serving  # noqa: E402
@@ -44,7 +44,8 @@ from lora_tune.config import (  # noqa: E402
 )
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
 from lora_tune.metrics import read_records  # noqa: E402
-from lora_tune.model_loading import WEIGHT_DTYPE  # noqa: E402
+from lora_tune.model_loading import WEIGHT_DTYPE, load_config  # noqa: E402
+from lora_tune.model_structure import auto_class  # noqa: E402
 
 
 @dataclass
@@ -152,10 +153,13 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
             raise UserError(f"{adapter_config} is unreadable or not an adapter config ({type(e).__name__}); re-save the adapter") from None
         if not base or not isinstance(base, str):
             raise UserError(f"{adapter_config} records no base model")
-        model = AutoModelForCausalLM.from_pretrained(resolve_base(base), dtype=dtype_, trust_remote_code=trust_remote_code)
+        base_path = resolve_base(base)
+        auto = auto_class(load_config(base_path, trust_remote_code))  # image-text checkpoints load through their own class
+        model = auto.from_pretrained(base_path, dtype=dtype_, trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(model, str(folder))
     elif (folder / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype_, trust_remote_code=trust_remote_code)
+        auto = auto_class(load_config(str(folder), trust_remote_code))
+        model = auto.from_pretrained(str(folder), dtype=dtype_, trust_remote_code=trust_remote_code)
     else:
         raise UserError(f"{folder} holds neither an adapter (adapter_config.json) nor a model (config.json)")
     tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)

@@ -22,7 +22,7 @@ from huggingface_hub import try_to_load_from_cache
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune import engines, evaluation, objectives, planner, serving, shards
-from lora_tune.adapter import Checkpointing, Targets, meta_model, resolve_targets
+from lora_tune.adapter import Checkpointing, Inventory, Targets, peft_exact_targets, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
@@ -32,7 +32,18 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
 from lora_tune.loss import chunking_refusal
 from lora_tune.metrics import check_reporter
-from lora_tune.model_loading import attention_implementation, load_config, load_tokenizer, model_class, packing_refusal, pick_device
+from lora_tune.model_loading import (
+    attention_implementation,
+    checkpointing_refusal,
+    dequantizing,
+    head_refusal,
+    load_config,
+    load_tokenizer,
+    packing_refusal,
+    pick_device,
+    quant_method,
+)
+from lora_tune.model_structure import meta_model, model_class
 from lora_tune.objectives import Objective
 from lora_tune.planner.architecture import unquantized_experts
 from lora_tune.planner.memory import GIB, Estimate, Setup, recomputed_layers
@@ -274,7 +285,14 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
     if model_class(config) is None:
         return None  # remote code: resolved on the loaded model
     skeleton = meta_model(config)
-    targets = resolve_targets(skeleton, cfg)
+    inventory = Inventory.of(skeleton)
+    if inventory.tied and not cfg.target_modules:
+        log.warning(
+            "LoRA targets: %s left out: their weights are tied across layers (one tensor in the checkpoint), so LoRA on them "
+            "could not be merged",
+            ", ".join(inventory.tied),
+        )
+    targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg))
     log.info("LoRA targets: %s", targets.describe(skeleton))
     fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
     note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
@@ -293,7 +311,7 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
         log.warning("packing off: %s; training on padded batches instead (pass --no-packing to silence this)", reason)
         packing = False
     chunk = cfg.loss_chunk_size
-    reason = chunking_refusal(config) if chunk != 0 else None
+    reason = chunking_refusal(config) or head_refusal(config) if chunk != 0 else None
     if reason:
         log.warning("chunked loss off: %s, which the chunked loss does not reproduce; computing the full logits instead", reason)
         chunk = 0
@@ -431,9 +449,11 @@ def check_init_adapter(cfg: TrainConfig, targets: Targets | None) -> None:
         raise UserError(f"--init-adapter: {config_file} is not an adapter config")
     wanted = {"r": cfg.rank, "lora_alpha": cfg.lora_alpha, "use_rslora": cfg.rslora, "use_dora": cfg.dora}
     if targets is not None:
-        wanted["target_modules"] = sorted(targets.modules)
+        wanted["target_modules"] = targets.peft_target_modules()
     defaults = {"use_rslora": False, "use_dora": False}  # peft's, for configs written without them
-    found = {k: sorted(saved.get(k) or []) if k == "target_modules" else saved.get(k, defaults.get(k)) for k in wanted}
+    found = {k: saved.get(k, defaults.get(k)) for k in wanted}
+    if isinstance(found.get("target_modules"), list) and isinstance(wanted.get("target_modules"), list):
+        found["target_modules"], wanted["target_modules"] = sorted(found["target_modules"]), sorted(wanted["target_modules"])
 
     def shown(v):
         return f"{v:g}" if isinstance(v, float) else repr(v)
@@ -458,7 +478,17 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
-    engines.check_layer_by_layer(cfg, config.model_type)
+    engines.check_layer_by_layer(cfg, quant_method(config))
+    dequantizing(config, cfg.precision)  # a pre-quantized checkpoint that can't be trained this way: one line now
+    reason = checkpointing_refusal(config) if cfg.gradient_checkpointing != "off" else None
+    if reason and cfg.gradient_checkpointing == "on":
+        raise UserError(f"--gradient-checkpointing on: {reason}; use --gradient-checkpointing off (or auto)")
+    if reason:
+        log.warning(
+            "gradient checkpointing off: %s; every layer's activations are kept (pass --gradient-checkpointing off to silence this)",
+            reason,
+        )
+        cfg = cfg.model_copy(update={"gradient_checkpointing": "off"})
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)

@@ -6,27 +6,31 @@ each decoder layer is filled from the safetensors shards (memory-mapped, read te
 quantized on the device when the base is 8-bit or 4-bit, its LoRA weights initialised, and handed
 to `partition(layer)`; the rest of the model (embeddings, final norm, head) follows last.
 
-Only checkpoints whose tensor names are the model's own names can be streamed this way; those that
-transformers renames or fuses on load (some MoE and older layouts) raise `NotStreamable`, and the
-caller falls back to a whole load and says so.
+Checkpoints that transformers renames or fuses on load (per-expert MoE tensors fused into one,
+an image-text wrapper's `language_model.model.*`) are converted layer by layer with transformers'
+own conversion mapping (`checkpoint_layout`), exactly as from_pretrained converts them; a
+checkpoint that lacks a tensor the model needs raises `NotStreamable`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from lora_tune import shards
+from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.errors import UserError
 from lora_tune.int8_sharded import ShardableLinear8bit
 from lora_tune.model_loading import WEIGHT_DTYPE, attention_implementation, load_config
+from lora_tune.model_structure import auto_class, block_modules, decoder_body
 
 log = logging.getLogger("lora_tune")
 
@@ -48,8 +52,16 @@ class CheckpointReader:
         if unreadable:
             raise NotStreamable(f"{unreadable} is stored as {self.entries[unreadable].dtype}, which layer-by-layer loading does not read")
 
+        self.layout: CheckpointLayout | None = None  # set once the model's skeleton exists
+
     def __contains__(self, key: str) -> bool:
-        return key in self.entries
+        """The model tensor `key` is in the checkpoint (under its own name or converted)."""
+        return key in self.layout.groups
+
+    def model_tensors(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        """The model tensors `keys`, read from the disk tensors they are built from and converted
+        as from_pretrained converts them (a fused expert tensor: all its experts' disk tensors)."""
+        return self.layout.disk_to_model({d: self.get(d) for k in keys for d in self.layout.groups[k]})
 
     def get(self, key: str) -> torch.Tensor:
         entry = self.entries[key]
@@ -71,18 +83,23 @@ class CheckpointReader:
 
 
 def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of each repeated block: the classes transformers never splits across devices."""
+    """(name, module) of each repeated block of the language model: the classes transformers never
+    splits across devices, inside the decoder body (an image-text wrapper's vision blocks are
+    loaded with the rest of the model)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     classes = set(getattr(base, "_no_split_modules", None) or ())
-    layers = [(name, m) for name, m in model.named_modules() if type(m).__name__ in classes]
+    at = next(name for name, m in model.named_modules() if m is base)  # under a peft model / the loss module
+    layers = [(f"{at}.{name}" if at else name, m) for name, m in block_modules(base) if type(m).__name__ in classes]
     if not layers:
-        raise NotStreamable(f"{type(base).__name__} declares no decoder-layer class (_no_split_modules)")
+        raise NotStreamable(f"{type(decoder_body(base)).__name__} declares no decoder-layer class (_no_split_modules)")
     return layers
 
 
 def checkpoint_key(name: str) -> str:
     """The checkpoint's name of a parameter of the (peft-wrapped) model."""
-    return name.removeprefix("peft_model.").removeprefix("base_model.model.").replace(".base_layer.", ".")
+    # peft nests a wrapper per adapted parameter of one module (fused experts: gate_up_proj and
+    # down_proj), so `.base_layer` can repeat.
+    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("peft_model.").removeprefix("base_model.model."))
 
 
 def build_skeleton(
@@ -98,14 +115,15 @@ def build_skeleton(
     config = AutoConfig.from_pretrained(base_path, trust_remote_code=trust_remote_code)
     reader = CheckpointReader(base_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = auto_class(config).from_config(
             config, dtype=WEIGHT_DTYPE[precision], trust_remote_code=trust_remote_code, attn_implementation=attn_implementation
         )
     model.config.use_cache = False
+    reader.layout = CheckpointLayout(model, reader.entries)
     tied = set(getattr(model, "all_tied_weights_keys", {}) or {})
     missing = [k for k in model.state_dict() if k not in reader and k not in tied]
     if missing:
-        raise NotStreamable(f"the checkpoint names its tensors differently from the model ({missing[0]} not found)")
+        raise NotStreamable(f"the checkpoint has no tensor for {missing[0]} (nor any it is converted from)")
     if precision in ("8bit", "4bit"):
         _quantized_linears(model, precision, quant_storage, shardable_int8)
     for p in model.parameters():
@@ -196,23 +214,45 @@ def fill(unit: torch.nn.Module, unit_name: str, reader: CheckpointReader, config
     """Every meta tensor of `unit` that the checkpoint holds, read and placed on `device`;
     non-persistent buffers (rotary frequencies) recomputed by rebuilding their module there."""
     prefix = f"{unit_name}." if unit_name else ""
+    wanted = []
     for module_name, module in unit.named_modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            if tensor.device.type != "meta":
-                continue
             key = checkpoint_key(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}")
-            if key in reader:
-                value = reader.get(key)
-                _set_weight(module, name, value.to(dtype) if value.is_floating_point() else value, device)
+            if tensor.device.type == "meta" and key in reader:
+                wanted.append((module, name, key))
+    values = reader.model_tensors([key for _, _, key in wanted])
+    for module, name, key in wanted:
+        value = values.pop(key)
+        _set_weight(module, name, value.to(dtype) if value.is_floating_point() else value, device)
+    # A module's own config is its sub-model's (an image-text wrapper's text model has the text config).
+    configs = {name: m.config for name, m in unit.named_modules() if isinstance(m, PreTrainedModel)}
+    for module_name, module in unit.named_modules():
         meta_buffers = [n for n, b in module.named_buffers(recurse=False) if b.device.type == "meta"]
         if meta_buffers:
+            owner = max((n for n in configs if not n or module_name == n or module_name.startswith(n + ".")), key=len, default=None)
             try:
                 with torch.device(device):
-                    fresh = type(module)(config=config)
-            except TypeError as e:
-                raise NotStreamable(f"can't rebuild the buffers of {type(module).__name__} ({e})") from None
+                    fresh = type(module)(config=configs[owner] if owner is not None else config)
+            except TypeError:
+                # Not built from a config (Gemma 3's scaled embedding): its sub-model's own
+                # initialisation sets the buffers, as from_pretrained does for buffers the files don't
+                # hold; the tensors just read are marked initialised, so it leaves them alone.
+                init_buffers(module, meta_buffers, dict(unit.named_modules()).get(owner, unit), device)
+                continue
             for n in meta_buffers:
                 module.register_buffer(n, getattr(fresh, n), persistent=n not in module._non_persistent_buffers_set)
+
+
+def init_buffers(module: torch.nn.Module, names: list[str], owner: torch.nn.Module, device: torch.device) -> None:
+    """`module`'s meta buffers `names` set by `owner`'s (a PreTrainedModel's) `_init_weights`."""
+    if not isinstance(owner, PreTrainedModel):
+        raise NotStreamable(f"can't rebuild the buffers of {type(module).__name__} (no model initialises them)")
+    for tensor in module.parameters(recurse=False):
+        tensor._is_hf_initialized = True
+    for n in names:
+        persistent = n not in module._non_persistent_buffers_set
+        module.register_buffer(n, torch.empty_like(getattr(module, n), device=device), persistent=persistent)
+    owner._init_weights(module)
 
 
 def load_layer_by_layer(
@@ -228,8 +268,9 @@ def load_layer_by_layer(
     (`init_adapter`), then `partition(layer)`; the remaining modules last, then `partition_root`."""
     dtype = WEIGHT_DTYPE[precision]
     base = skeleton.get_base_model() if hasattr(skeleton, "get_base_model") else skeleton
+    text_config = decoder_body(base).config
     for name, layer in decoder_layers(skeleton):
-        fill(layer, name, reader, base.config, device, dtype)
+        fill(layer, name, reader, text_config, device, dtype)
         init_adapter(layer, name)
         partition(layer)
     fill(skeleton, "", reader, base.config, device, dtype)

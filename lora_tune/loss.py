@@ -20,6 +20,8 @@ import math
 
 import torch
 
+from lora_tune.model_structure import decoder_body
+
 IGNORE = -100  # the label of a position with no loss (prompt, padding): PyTorch's and transformers' convention
 
 
@@ -131,6 +133,7 @@ UNSUPPORTED_LOGIT_KEYS = ("logit_scale", "logits_scaling", "output_multiplier_sc
 
 def chunking_refusal(config) -> str | None:
     """Why this model's logits can't go through `linear_cross_entropy`, or None."""
+    config = config.get_text_config(decoder=True)
     for key in UNSUPPORTED_LOGIT_KEYS:
         if getattr(config, key, None) not in (None, 1, 1.0):
             return f"its config scales the logits ({key})"
@@ -140,8 +143,7 @@ def chunking_refusal(config) -> str | None:
 def shifted_hidden(peft_model, input_ids, labels, attention_mask=None, position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
     """([positions, hidden], [positions]): the decoder's last hidden states and the token each one
     predicts (position t predicts token t + 1, shifted within each row), rows flattened."""
-    hf_model = peft_model.get_base_model()
-    body = getattr(hf_model, hf_model.base_model_prefix)  # the decoder without its head
+    body = decoder_body(peft_model.get_base_model())  # the decoder without its head (in an image-text wrapper: the language model's)
     # No KV cache: with one, transformers stops reading packed sequences from position_ids.
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
@@ -156,7 +158,7 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.peft_model = peft_model
         self.chunk_size = chunk_size
-        config = peft_model.get_base_model().config
+        config = peft_model.get_base_model().config.get_text_config(decoder=True)
         self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
 
     def get_base_model(self):

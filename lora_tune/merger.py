@@ -2,7 +2,13 @@
 
 Streaming: each base shard is opened lazily (safetensors), each tensor is merged in fp32 and cast
 once to the output dtype, and output shards are written as soon as they are full. Peak memory is
-about one output shard plus one tensor plus the adapter, never the whole model.
+about one output shard plus one tensor group plus the adapter, never the whole model.
+
+The output keeps the checkpoint's own names and layouts. The adapter names the loaded model's
+tensors, which transformers renames or fuses on load for some checkpoints (an image-text wrapper's
+`language_model.model.*`, per-expert MoE tensors fused into one 3-D parameter): each adapted tensor
+is mapped to the disk tensors it is built from (`checkpoint_layout`, transformers' own conversion
+mapping); a fused one is converted on the fly, merged, and converted back, one group at a time.
 
 Arithmetic mirrors peft's own merge (`W + (B @ A) * scale`, DoRA's `m / ||W + s BA|| * (W + s BA)`)
 so that an fp32 merge is bit-identical to `merge_and_unload()`.
@@ -25,19 +31,23 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from peft.utils.other import get_pattern_key
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import shards
-from lora_tune.adapter import meta_model
+from lora_tune.adapter import lora_layers
 from lora_tune.aliases import resolve_base
+from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.config import MergeConfig, parse_size
 from lora_tune.errors import UserError, first_line, sigterm_stops
-from lora_tune.model_loading import load_config, model_class
+from lora_tune.model_loading import dequantizing, load_config, quant_method
+from lora_tune.model_structure import auto_class, meta_model, model_class, text_ids
 
 log = logging.getLogger("lora_tune")
 
@@ -62,12 +72,15 @@ VERIFY_LAYERS = 16  # LoRA layers checked against peft's own layer, spread over 
 
 @dataclass
 class LoraModule:
-    """The adapter pieces for one base weight."""
+    """The adapter pieces for one base weight. A fused expert tensor (peft's ParamWrapper) stacks one
+    rank-r pair per expert: A is (r * experts, in), B (out, r * experts)."""
 
     a: torch.Tensor
     b: torch.Tensor
     scale: float
     magnitude: torch.Tensor | None = None  # DoRA
+    experts: int = 0  # > 0: a 3-D (experts, out, in) tensor, or (experts, in, out) when `in_first`
+    in_first: bool = False
 
 
 # --- inputs --------------------------------------------------------------------------------------
@@ -133,8 +146,6 @@ def pattern_value(patterns: dict, module_name: str, default):
     """A rank_pattern / alpha_pattern value for one module, by peft's own matching rule."""
     if not patterns:
         return default
-    from peft.utils.other import get_pattern_key  # noqa: PLC0415 - start-up time: peft costs seconds; only patterned adapters need it
-
     return patterns.get(get_pattern_key(list(patterns), module_name), default)
 
 
@@ -177,15 +188,92 @@ def base_folder(base: str) -> Path:
     return path
 
 
-def transposed_weights(base: Path, trust_remote_code: bool) -> set[str] | None:
-    """Names of the weights stored (in, out) on disk: those of Conv1D modules (GPT-2 style), read
-    from the base's own architecture (a meta skeleton). The adapter's `fan_in_fan_out` flag can't
-    be trusted for this: a quantized base turns Conv1D into Linear during training and saves False.
-    None when the architecture isn't one of transformers' own (remote code): the flag decides then."""
-    config = load_config(str(base), trust_remote_code)
-    if model_class(config) is None:
+@dataclass
+class DiskAdapter:
+    """The adapter in the base checkpoint's own names: tensors stored as they are loaded (renamed at
+    most) by disk name, tensors transformers builds from several disk tensors (fused experts) by
+    model name with the layout that converts them."""
+
+    modules: dict[str, LoraModule]  # disk name -> LoRA
+    fused: dict[str, LoraModule]  # model name -> LoRA of a converted tensor
+    replacements: dict[str, torch.Tensor]  # disk name -> trained copy (modules_to_save)
+    transposed: set[str]  # disk names of weights stored (in, out): GPT-2-style Conv1D
+    layout: CheckpointLayout | None = None
+
+
+def adapter_tensor(weights: dict[str, torch.Tensor], name: str, part: str) -> torch.Tensor | None:
+    return weights.get(f"{name}.{part}.weight", weights.get(f"{name}.{part}"))
+
+
+def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str, torch.Tensor], disk_names, trust_remote_code: bool):
+    """The adapter mapped onto the base's tensors on disk: which base tensor each LoRA pair adapts
+    is read off peft injecting the adapter's own config into a meta skeleton of the base (nested
+    ParamWrappers, rank and alpha patterns, peft's rewrites included, as PeftModel.from_pretrained
+    would see them); the disk names come from transformers' conversion mapping. None for a model
+    transformers doesn't implement (remote code): its adapter names are taken as the disk names."""
+    model_config = load_config(str(base), trust_remote_code)
+    if model_class(model_config) is None:
         return None
-    return {f"{name}.weight" for name, m in meta_model(config).named_modules() if isinstance(m, Conv1D)}
+    skeleton = meta_model(model_config)
+    layout = CheckpointLayout(skeleton, disk_names)
+    modules_of = dict(skeleton.named_modules())
+    with torch.device("meta"):
+        wrapped = get_peft_model(meta_model(model_config), LoraConfig.from_pretrained(str(adapter_dir)))
+    loras: dict[str, LoraModule] = {}
+    used = set()
+    aliases: dict[int, list[str]] = {}  # a block shared across layers (Zamba) is one LoRA layer under several names
+    for name, layer in wrapped.named_modules(remove_duplicate=False):
+        if isinstance(layer, LoraLayer):
+            aliases.setdefault(id(layer), []).append(name)
+    tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})  # a tied tensor is stored under its source's name
+    for name, layer in lora_layers(wrapped):
+        names = aliases[id(layer)]
+        keys = [
+            f"{n.removeprefix('base_model.model.').replace('.base_layer', '')}.{getattr(layer, 'parameter_name', 'weight')}" for n in names
+        ]
+        key = next((tied.get(k, k) for k in keys if tied.get(k, k) in layout.groups), keys[0])
+        module = key.rsplit(".", 1)[0]
+        a, b = adapter_tensor(weights, name, "lora_A"), adapter_tensor(weights, name, "lora_B")
+        if a is None or b is None:
+            raise UserError(f"--adapter: {adapter_dir} has no LoRA weights for {key}; this adapter was trained on another base")
+        magnitude = adapter_tensor(weights, name, "lora_magnitude_vector")
+        used |= {k for n in names for k in weights if k.startswith(f"{n}.lora_")}
+        shape = layout.model_state[key].shape if key in layout.model_state else ()
+        experts = shape[0] if len(shape) == 3 else 0
+        in_first = bool(getattr(modules_of.get(module), "is_transposed", False))  # transformers' experts stored (E, in, out)
+        loras[key] = LoraModule(a, b, layer.scaling["default"], magnitude, experts, in_first)
+    leftover = sorted(k for k in set(weights) - used if "lora_" in k)
+    if leftover:
+        raise UserError(
+            f"--adapter: {leftover[0]} (and {len(leftover) - 1} more) adapts nothing in this base; this adapter was trained on another base"
+        )
+    conv1d = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, Conv1D)}
+    out = DiskAdapter({}, {}, {}, set(), layout)
+    for key, lora in loras.items():
+        if key not in layout.groups:
+            raise UserError(f"--base: the adapter targets {key}, which the base does not store; this adapter was trained on another base")
+        if layout.is_renaming(key) and not lora.experts:
+            disk = layout.groups[key][0]
+            out.modules[disk] = lora
+            if key in conv1d:
+                out.transposed.add(disk)
+        else:
+            out.fused[key] = lora
+    for name, tensor in weights.items():
+        key = name.removeprefix("base_model.model.")
+        if "lora_" in name:
+            continue
+        if not layout.is_renaming(key):
+            raise UserError(f"--adapter: {key} (modules_to_save) is not stored as one tensor in the base; merge can't replace it")
+        out.replacements[layout.groups[key][0]] = tensor
+    return out
+
+
+def named_adapter(config: dict, weights: dict[str, torch.Tensor]) -> DiskAdapter:
+    """A remote-code model's adapter, by the adapter's own names (no skeleton to map them)."""
+    modules, replacements = lora_modules(config, weights)
+    transposed = set(modules) if config.get("fan_in_fan_out") else set()
+    return DiskAdapter(modules, {}, replacements, transposed)
 
 
 # --- the merge arithmetic ----------------------------------------------------------------------------
@@ -261,7 +349,7 @@ def write_shard(path: Path, planned: list[PlannedTensor], produce) -> None:
             tensor = produce(t)
             if tensor.dtype != t.dtype or list(tensor.shape) != t.shape:
                 raise RuntimeError(f"{t.name}: produced {tensor.dtype} {list(tensor.shape)}, planned {t.dtype} {t.shape}")
-            f.write(tensor.contiguous().view(torch.uint8).numpy().data if tensor.numel() else b"")
+            f.write(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().data if tensor.numel() else b"")  # 0-d too
 
 
 def shard_names(n: int) -> list[str]:
@@ -301,19 +389,17 @@ def relative_drift(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code: bool) -> float:
     """Whole model: logits of the merged folder vs base (fp32) + adapter through peft."""
-    from peft import PeftModel  # noqa: PLC0415 - start-up time: peft costs seconds; only verification needs it
-
     hf_logging.disable_progress_bar()
-    reference = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    auto = auto_class(load_config(str(base), trust_remote_code))
+    reference = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
     reference = PeftModel.from_pretrained(reference, adapter_dir).eval()
-    vocab = reference.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = text_ids(reference, (2, 24), seed=0)
     with torch.no_grad():
-        want = reference(input_ids=ids).logits
+        want = reference(input_ids=ids, use_cache=False).logits
     del reference
-    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    model = auto.from_pretrained(merged, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     with torch.no_grad():
-        got = model(input_ids=ids).logits
+        got = model(input_ids=ids, use_cache=False).logits
     return relative_drift(got, want)
 
 
@@ -350,37 +436,95 @@ def all_finite(t: torch.Tensor, chunk: int = 1 << 22) -> bool:
     return all(bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk))
 
 
+def expert_rows(lora: LoraModule, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) of one expert of a fused tensor's adapter, as peft's ParamWrapper splits them."""
+    a = lora.a.float().reshape(lora.experts, -1, lora.a.shape[-1])[expert]  # (r, in)
+    b = lora.b.float().reshape(lora.b.shape[0], -1, lora.experts)[:, :, expert]  # (out, r)
+    return a, b
+
+
+def merged_experts(weight: torch.Tensor, lora: LoraModule, name: str) -> torch.Tensor:
+    """fp32 merge of a fused (experts, out, in) or (experts, in, out) tensor, expert by expert (the
+    delta of all experts at once would double the peak)."""
+    w = weight.to(torch.float32, copy=True)  # merged in place: the base stays for verification
+    for e in range(lora.experts):
+        a, b = expert_rows(lora, e)
+        delta = (b @ a) * lora.scale  # (out, in)
+        if (delta.T if lora.in_first else delta).shape != w[e].shape:
+            raise UserError(
+                f"--base: {name} has shape {tuple(weight.shape)} but the adapter has A {tuple(lora.a.shape)}, B {tuple(lora.b.shape)}; "
+                "this adapter was trained on another base"
+            )
+        w[e] += delta.T if lora.in_first else delta
+    return w
+
+
+def verify_expert(base_w: torch.Tensor, merged_w: torch.Tensor, lora: LoraModule) -> float:
+    """Expert 0 of a fused tensor: the merged weight vs its unmerged LoRA forward."""
+    orient = (lambda w: w.T) if lora.in_first else (lambda w: w)  # noqa: E731 - (out, in) view of either layout
+    return verify_layer("", orient(base_w[0]), orient(merged_w[0]), LoraModule(*expert_rows(lora, 0), lora.scale), False)
+
+
 class TensorMerger:
     """Produces each output tensor on demand: read it from its base shard, merge in fp32 when the
-    adapter touches it, check it is finite, cast once. Sampled LoRA layers are verified on the
-    spot against the unmerged LoRA forward, so no tensor outlives its turn."""
+    adapter touches it, check it is finite, cast once. A disk tensor that is part of a converted
+    group (one expert of a fused tensor) comes with its whole group: read, converted to the model's
+    layout, merged, converted back; the group's other tensors wait for their turn. Sampled LoRA
+    layers are verified on the spot against the unmerged LoRA forward."""
 
-    def __init__(self, modules, replacements, transposed: set[str], dtype: torch.dtype, verify: bool):
-        self.modules, self.replacements = modules, replacements
-        self.transposed, self.dtype = transposed, dtype
-        self.verify_every = max(1, len(modules) // VERIFY_LAYERS) if verify else 0
+    def __init__(self, adapter: DiskAdapter, dtype: torch.dtype, verify: bool, sources: dict[str, Path] | None = None):
+        self.adapter, self.dtype = adapter, dtype
+        self.sources = sources or {}  # disk name -> shard, for reading a group across shards
+        self.group_of = {d: key for key in adapter.fused for d in adapter.layout.groups[key]} if adapter.fused else {}
+        self.ready: dict[str, torch.Tensor] = {}  # merged tensors of a group, until written
+        n_loras = len(adapter.modules) + len(adapter.fused)
+        self.verify_every = max(1, n_loras // VERIFY_LAYERS) if verify else 0
         self.layer_drifts: list[float] = []
         self.merged = 0
         self.shard_path: Path | None = None
         self.shard = None
 
-    def _read(self, t: PlannedTensor) -> torch.Tensor:
+    def _read(self, name: str, source: Path) -> torch.Tensor:
         try:
-            if t.source != self.shard_path:  # tensors arrive in shard order: one shard open at a time
-                self.shard, self.shard_path = safe_open(str(t.source), framework="pt"), t.source
-                log.info("merging %s", t.source.name)
-            return self.shard.get_tensor(t.name)
+            if source != self.shard_path:  # tensors arrive in shard order: one shard open at a time
+                self.shard, self.shard_path = safe_open(str(source), framework="pt"), source
+                log.info("merging %s", source.name)
+            return self.shard.get_tensor(name)
         except (SafetensorError, OSError) as e:
-            raise UserError(f"--base: tensor {t.name} in {t.source} is unreadable ({e})") from None
+            raise UserError(f"--base: tensor {name} in {source} is unreadable ({e})") from None
+
+    def _verified(self, check) -> None:
+        if self.verify_every and self.merged % self.verify_every == 0:
+            self.layer_drifts.append(check())
+        self.merged += 1
+
+    def _merge_group(self, key: str) -> None:
+        layout, lora = self.adapter.layout, self.adapter.fused[key]
+        disk = {}
+        for name in layout.groups[key]:
+            with safe_open(str(self.sources[name]), framework="pt") as f:
+                disk[name] = f.get_tensor(name)
+        weight = layout.disk_to_model(disk)[key]
+        del disk
+        merged = merged_experts(weight, lora, key)
+        if not all_finite(merged):
+            raise UserError(f"merged weight {key} contains NaN/inf; the adapter is broken (check the training metrics)")
+        merged = merged.to(self.dtype)  # the one cast
+        self._verified(lambda: verify_expert(weight, merged, lora))
+        self.ready.update(layout.model_to_disk({key: merged}))
 
     def __call__(self, t: PlannedTensor) -> torch.Tensor:
-        tensor = self._read(t)
-        lora = self.modules.get(t.name)
-        fan_in_fan_out = t.name in self.transposed
+        if t.name in self.group_of:
+            if t.name not in self.ready:
+                self._merge_group(self.group_of[t.name])
+            return self.ready.pop(t.name).contiguous()
+        tensor = self._read(t.name, t.source)
+        lora = self.adapter.modules.get(t.name)
+        fan_in_fan_out = t.name in self.adapter.transposed
         if lora is not None:
             result = merged_weight(tensor, lora, fan_in_fan_out, t.name)
-        elif t.name in self.replacements:
-            result = self.replacements[t.name].float()
+        elif t.name in self.adapter.replacements:
+            result = self.adapter.replacements[t.name].float()
             if list(result.shape) != t.shape:
                 raise UserError(f"--base: {t.name} has shape {tuple(t.shape)}, the adapter's trained copy {tuple(result.shape)}")
         else:
@@ -390,9 +534,7 @@ class TensorMerger:
                 raise UserError(f"merged weight {t.name} contains NaN/inf; the adapter is broken (check the training metrics)")
             result = result.to(self.dtype)  # the one cast
         if lora is not None:
-            if self.verify_every and self.merged % self.verify_every == 0:
-                self.layer_drifts.append(verify_layer(t.name, tensor, result, lora, fan_in_fan_out))
-            self.merged += 1
+            self._verified(lambda: verify_layer(t.name, tensor, result, lora, fan_in_fan_out))
         return result
 
     def close(self) -> None:
@@ -401,22 +543,24 @@ class TensorMerger:
 
 # --- the command ----------------------------------------------------------------------------------
 def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig) -> float | None:
-    """Through transformers and peft, the whole model in host memory: for adapters on tensors the
-    checkpoint stores under other names and shapes than the loaded model (transformers 5 fuses
-    MoE experts and renames routers on load). save_pretrained writes them back in the checkpoint's
-    own layout. Checked on the spot: logits of base + adapter vs the merged model. Returns the drift."""
-    from peft import PeftModel  # noqa: PLC0415 - start-up time: peft costs seconds; only verification needs it
-
+    """Through transformers and peft, the whole model in host memory: for a checkpoint that ships
+    quantized weights (dequantized by transformers' own loader; written out plain, in --dtype),
+    and for a model transformers doesn't implement (remote code) whose adapter adapts fused tensors,
+    where no skeleton says which disk tensors they are built from. save_pretrained writes the
+    checkpoint's own layout. Checked on the spot: logits of base + adapter vs the merged model.
+    Returns the drift."""
     hf_logging.disable_progress_bar()
     dtype = OUT_DTYPE[cfg.dtype]
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    config = load_config(str(base), cfg.trust_remote_code)
+    model = auto_class(config).from_pretrained(
+        base, dtype=dtype, trust_remote_code=cfg.trust_remote_code, quantization_config=dequantizing(config)
+    )
     model = PeftModel.from_pretrained(model, adapter_dir).eval()
-    vocab = model.get_input_embeddings().weight.shape[0]
-    ids = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(0))
+    ids = text_ids(model, (2, 24), seed=0)
     with torch.no_grad():
-        want = model(input_ids=ids).logits
+        want = model(input_ids=ids, use_cache=False).logits
         merged = model.merge_and_unload()
-        got = merged(input_ids=ids).logits
+        got = merged(input_ids=ids, use_cache=False).logits
     for name, p in merged.named_parameters():
         if p.is_floating_point() and not all_finite(p.data):
             raise UserError(f"merged weight {name} contains NaN/inf; the adapter is broken (check the training metrics)")
@@ -481,41 +625,50 @@ def run(cfg: MergeConfig) -> Path:
     prepare_output(out, cfg.overwrite)
     dtype = OUT_DTYPE[cfg.dtype]
     base_files = shards.weight_files(base)
-    if config.get("target_parameters"):
-        n_params = sum(math.prod(t.shape) for group in plan_output(base_files, dtype, max_bytes) for t in group)
+    quantized = quant_method(load_config(str(base), cfg.trust_remote_code))
+    if quantized:
+        n_bytes = sum(e.nbytes for f in base_files for e in shards.read_header(f).values())
         log.warning(
-            "merge: the adapter adapts %s (fused tensors that the checkpoint stores under other names, e.g. per expert); "
-            "merging through transformers with the whole model in host memory (~%.1f GB)",
+            "merge: %s ships %s-quantized weights; merging through transformers, which dequantizes them, with the whole model in "
+            "host memory (~%.1f GB as stored, more dequantized), into plain %s weights",
+            base,
+            quantized,
+            n_bytes / 1e9,
+            cfg.dtype,
+        )
+        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
+    groups = plan_output(base_files, dtype, max_bytes)
+    sources = {t.name: t.source for group in groups for t in group}
+    adapter = disk_adapter(base, adapter_dir, config, weights, sources, cfg.trust_remote_code)
+    if adapter is None and config.get("target_parameters"):
+        n_params = sum(math.prod(t.shape) for group in groups for t in group)
+        log.warning(
+            "merge: the adapter adapts %s of a model transformers doesn't implement (remote code), so which tensors on disk they "
+            "are built from is unknown; merging through transformers with the whole model in host memory (~%.1f GB)",
             ", ".join(config["target_parameters"]),
             n_params * dtype.itemsize / 1e9,
         )
         return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
-    modules, replacements = lora_modules(config, weights)
-    transposed = transposed_weights(base, cfg.trust_remote_code)
-    if transposed is None:
-        transposed = set(modules) if config.get("fan_in_fan_out") else set()
-
-    groups = plan_output(base_files, dtype, max_bytes)
-    planned_names = {t.name for group in groups for t in group}
-    missing = sorted((set(modules) | set(replacements)) - planned_names)
-    if missing:
-        raise UserError(
-            f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this "
-            "adapter was trained on another base"
-        )
+    if adapter is None:
+        adapter = named_adapter(config, weights)
+        missing = sorted((set(adapter.modules) | set(adapter.replacements)) - set(sources))
+        if missing:
+            raise UserError(
+                f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this "
+                "adapter was trained on another base"
+            )
+    n_loras = len(adapter.modules) + len(adapter.fused)
 
     def stream(tmp: Path) -> float | None:
         t0 = time.perf_counter()
-        merger = TensorMerger(modules, replacements, transposed, dtype, cfg.verify)
+        merger = TensorMerger(adapter, dtype, cfg.verify, sources)
         names = shard_names(len(groups))
         for group, name in zip(groups, names):
             write_shard(tmp / name, group, merger)
         merger.close()
         write_index(tmp, groups, names)
         total = sum(t.nbytes for group in groups for t in group)
-        log.info(
-            "wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, len(modules), time.perf_counter() - t0
-        )
+        log.info("wrote %d shard(s), %.2f GB, %d LoRA modules merged in %.1fs", len(names), total / 1e9, n_loras, time.perf_counter() - t0)
         if not cfg.verify:
             return None
         drift = max(merger.layer_drifts, default=0.0)

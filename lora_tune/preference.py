@@ -42,7 +42,7 @@ class PreferenceLoss(torch.nn.Module):
         self.objective = objective
         self.beta, self.gamma, self.orpo_lambda = cfg.beta, cfg.simpo_gamma, cfg.orpo_lambda
         self.desirable_weight, self.undesirable_weight = cfg.kto_desirable_weight, cfg.kto_undesirable_weight
-        config = peft_model.get_base_model().config
+        config = peft_model.get_base_model().config.get_text_config(decoder=True)
         self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
         self.stats: dict[str, list[float]] = {}
         self.recorded: list[torch.Tensor] | None = None  # set: forward only records log-probabilities (the reference pass)

@@ -35,8 +35,8 @@ class Recipe:
         self.loop: TrainingLoop | None = None
 
     def setup(self) -> None:
-        cfg = self.cfg
-        inputs = check_inputs(cfg)
+        inputs = check_inputs(self.cfg)
+        cfg = self.cfg = inputs.cfg  # as checked: what the model can't do is turned off there, and said so
         # One writer per output folder; taken after the checks, so bad input writes nothing.
         self.lock = ckpt.OutputLock(inputs.output_dir).acquire() if dist.is_main() else None
         # Only now, with every input checked, the expensive part. The engine decides how the base

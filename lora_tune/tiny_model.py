@@ -1,7 +1,9 @@
-"""Build a tiny Llama (2 layers, a BPE tokenizer trained on the spot, a chat template) offline.
+"""Build a tiny Llama (2 layers, a BPE tokenizer trained on the spot, a chat template) offline, or a
+tiny model of any other family.
 
-It backs the `tiny-llama` alias used by the quick start and the tests: everything goes through the
-real `from_pretrained` path afterwards, only the weights are random and small.
+It backs the `tiny-llama` alias used by the quick start and the tests, and the family sweep:
+everything goes through the real `from_pretrained` path afterwards, only the weights are random and
+small.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import CONFIG_MAPPING, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from lora_tune.model_structure import auto_class
+from lora_tune.tiny_configs import shrink_config
 
 # A Llama-3-style template: every assistant turn ends with the EOS token, so a model trained on it
 # learns to stop. It is the template `tiny-llama` ships with.
@@ -93,5 +98,29 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0, with_chat_template: boo
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
+    return out
+
+
+# Tiny models of other families are refused above this size: a tower the shrinking rules can't
+# narrow must not be allocated (it would take the host's memory, not a tiny model's).
+MAX_TINY_PARAMS = 30_000_000
+
+
+def build_tiny_model(model_type: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny random model of any family transformers implements (its default config, shrunk by
+    `tiny_configs.shrink_config`: same layer kinds, 64 wide), saved from the class its real
+    checkpoints are saved from (image-text wrappers included), with the tiny tokenizer. Sized on
+    the meta device first; ValueError above MAX_TINY_PARAMS."""
+    config = shrink_config(CONFIG_MAPPING[model_type]())
+    with torch.device("meta"):
+        n = sum(p.numel() for p in auto_class(config).from_config(config).parameters())
+    if n > MAX_TINY_PARAMS:
+        raise ValueError(f"a shrunk {model_type} still has {n / 1e6:.0f}M parameters (limit {MAX_TINY_PARAMS / 1e6:.0f}M)")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    auto_class(config).from_config(config).save_pretrained(out)
+    train_tiny_tokenizer().save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
     return out

@@ -8,12 +8,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from lora_tune.adapter import Inventory, add_lora, lora_layers, meta_model, resolve_targets, save_adapter, trainable_state_dict
+from lora_tune.adapter import (
+    Inventory,
+    adaptation_mismatch,
+    add_lora,
+    inject_on_meta,
+    lora_layers,
+    peft_exact_targets,
+    resolve_targets,
+    save_adapter,
+    trainable_state_dict,
+)
 from lora_tune.config import TrainConfig
 from lora_tune.errors import UserError
 from lora_tune.model_loading import load_base_model, load_config
+from lora_tune.model_structure import meta_model
+from lora_tune.tiny_configs import shrink_config
 
 from families import build_family
 
@@ -78,6 +90,27 @@ def test_the_saved_adapter_loads_with_peft_and_no_temp_file_is_left(tiny_model, 
     ids = torch.randint(3, 500, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_pefts_moe_target_rewrite_is_avoided_so_every_requested_linear_is_adapted():
+    """peft 0.21 rewrites the targets of MoE types whose checkpoints transformers fuses: DeepSeek-V3's
+    dense first layers and shared experts lose gate/up/down_proj and the fused gate_up experts get
+    rank 2r. Named as target_parameters by their block path those linears are adapted, at rank r,
+    exactly as asked (and counted by plan); under 4-bit that way is closed: refused in one line."""
+    config = shrink_config(CONFIG_MAPPING["deepseek_v3"]())
+    cfg = options(rank=4, lora_alpha=8, rslora=False, precision="fp32")
+    asked = resolve_targets(meta_model(config), cfg)
+    wanted, adapted = inject_on_meta(config, cfg, asked)
+    assert adaptation_mismatch(wanted, adapted, 4) == (
+        "12 left out (e.g. model.layers.0.mlp.down_proj.weight), 2 at rank 8 instead of 4 (e.g. model.layers.2.mlp.experts.gate_up_proj)"
+    )
+    exact = peft_exact_targets(config, cfg, asked)
+    assert set(exact.parameters) - set(asked.parameters) == {
+        f"mlp.{expert}{proj}.weight" for expert in ("", "shared_experts.") for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    assert inject_on_meta(config, cfg, exact) == (wanted, dict.fromkeys(wanted, 4))
+    with pytest.raises(UserError, match="--precision 4bit: peft rewrites the LoRA targets of deepseek_v3 models"):
+        peft_exact_targets(config, options(rank=4, lora_alpha=8, rslora=False, precision="4bit"), asked)
 
 
 def test_a_failed_adapter_write_leaves_no_temporary_file(tiny_model, tmp_path, monkeypatch):

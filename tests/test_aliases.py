@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from huggingface_hub import constants
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -30,6 +32,39 @@ PUBLISHED = {
     "gemma2-9b": 9.24,
     "phi3-mini": 3.82,
 }
+
+
+# Current releases: totals as the model cards publish them (2-3 significant digits), in billions; the
+# shipped configs of several are rebuilt from the published architecture, which this pins.
+CURRENT = {
+    "qwen3-30b-a3b": 30.5,
+    "qwen3-235b-a22b": 235,
+    "qwen3-next-80b-a3b": 80,
+    "gemma3-27b": 27.4,
+    "llama4-scout": 109,
+    "gpt-oss-20b": 21,
+    "gpt-oss-120b": 117,
+    "glm4.5-air": 106,
+    "mistral-small3.2-24b": 24,
+    "deepseek-v3": 671,
+}
+
+
+@pytest.mark.parametrize("alias", list(CURRENT))
+def test_current_releases_plan_their_published_size(alias):
+    """The whole checkpoint is counted (an image-text model's vision tower too; gpt-oss's MXFP4 and
+    DeepSeek's FP8 weights as the bf16 they are trained in), within the published figure's rounding."""
+    assert "/" in ALIASES[alias].hub_id
+    assert Architecture.from_config(architecture(alias)).total / 1e9 == pytest.approx(CURRENT[alias], rel=0.01)
+
+
+def test_current_releases_plan_lora_on_the_language_model_only(capsys):
+    """Gemma 3 27B: rank 16 on every linear of the 62 text layers, none on the SigLIP tower."""
+    code, out, _ = run_cli(["plan", "--base", "gemma3-27b", "--rank", "16", "--json"], capsys)
+    per_layer = 16 * ((5376 + 4096) + 2 * (5376 + 2048) + (4096 + 5376) + 2 * (5376 + 21504) + (21504 + 5376))
+    assert code == 0 and json.loads(out)["trainable_parameters"] == 62 * per_layer == 113_516_544
+    code, _, err = run_cli(["plan", "--base", "deepseek-v3", "--backend", "fsdp", "--gpus", "8", "--precision", "bf16"], capsys)
+    assert code == 2 and "this checkpoint ships fp8-quantized weights" in err
 
 
 @pytest.mark.parametrize("alias", REQUIRED)

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lora_tune.cli import main
 from lora_tune.merger import lora_modules, unmerged_forward
-from lora_tune.tiny_model import build_tiny_llama
+from lora_tune.tiny_model import build_tiny_llama, build_tiny_model
 
 from helpers import TEXT, fast_train_args, run_cli, single_error_line, tree_digest, write_jsonl
 
@@ -177,6 +177,45 @@ def test_modules_to_save_and_rank_pattern_follow_peft(tiny_model, tmp_path, caps
     assert code == 0, err
     usual = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), adapter).merge_and_unload().state_dict()
     ours = load_file(str(out / "model.safetensors"))
+    for k in ours:
+        torch.testing.assert_close(ours[k], usual[k], rtol=0, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_an_adapter_on_fused_experts_merges_shard_by_shard_into_the_per_expert_layout(model_type, tmp_path, capsys):
+    """Mixtral / Qwen3-MoE checkpoints store one tensor per expert, which transformers fuses on load
+    and the adapter adapts fused (peft's target_parameters): the merge converts each adapted group
+    to the fused layout, merges it, and converts it back (no whole model in memory); the output is
+    what peft's merge_and_unload() + save_pretrained() writes, shard by shard."""
+    base = build_tiny_model(model_type, tmp_path / "base")
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(**{**cfg.to_dict(), "init_lora_weights": False}))
+    model.save_pretrained(tmp_path / "adapter")
+    code, _, err = run_cli(
+        [
+            "merge",
+            "--adapter",
+            tmp_path / "adapter",
+            "--base",
+            base,
+            "--output",
+            tmp_path / "merged",
+            "--dtype",
+            "fp32",
+            "--max-shard-size",
+            "100KB",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    assert "whole model" not in err and "verified: drift" in err
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "adapter").merge_and_unload().save_pretrained(
+        tmp_path / "usual"
+    )
+    usual = load_file(str(tmp_path / "usual" / "model.safetensors"))
+    ours = {k: v for f in sorted((tmp_path / "merged").glob("model-*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert ours.keys() == usual.keys() and any(".experts.0." in k for k in ours)  # per-expert names, as on disk
     for k in ours:
         torch.testing.assert_close(ours[k], usual[k], rtol=0, atol=1e-6, msg=k)
 

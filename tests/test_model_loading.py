@@ -34,7 +34,7 @@ def test_packing_is_decided_by_probing_a_tiny_model_of_the_same_class(config, ve
 def test_the_probe_runs_once_per_class_and_shape(monkeypatch):
     config = AutoConfig.for_model("qwen2")
     packing_refusal(config)
-    monkeypatch.setattr(model_loading, "_packing_probe", lambda *a: pytest.fail("probed twice"))
+    monkeypatch.setattr(model_loading, "packing_probe", lambda *a: pytest.fail("probed twice"))
     assert packing_refusal(config) is None
 
 

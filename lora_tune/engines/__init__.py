@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import ClassVar, Protocol
 
 import torch
-from transformers.conversion_mapping import get_checkpoint_conversion_mapping
 
 from lora_tune import distributed as dist
 from lora_tune.batching import MicroBatch
@@ -157,21 +156,22 @@ def cell_of(cfg) -> Cell:
     return Cell(backend_name(cfg), cfg.precision, cfg.zero, cfg.offload)
 
 
-def layer_by_layer_refusal(cell: Cell, model_type: str) -> str | None:
-    """Why this cell can't run this model family, or None. Cells that stream the base layer by layer
-    read each tensor under the model's own name; a family whose checkpoints transformers converts on
-    load (Mixtral's per-expert tensors fused into one, renamed routers) can't be read that way."""
-    if cell.loads_layer_by_layer() and get_checkpoint_conversion_mapping(model_type):
+def layer_by_layer_refusal(cell: Cell, quantized: str | None) -> str | None:
+    """Why this cell can't run a checkpoint, or None. Cells that stream the base layer by layer read
+    plain tensors (converted per layer the way transformers converts them on load); a checkpoint
+    that ships quantized weights (`quantized`: its quant_method, e.g. fp8, mxfp4) is dequantized
+    only by transformers' whole-model loading."""
+    if cell.loads_layer_by_layer() and quantized:
         return (
-            f"{cell.flags()}: loads the base layer by layer, which {model_type} checkpoints don't allow "
-            f"(transformers converts their tensors on load); {cell.spec.layer_by_layer_alternative}"
+            f"{cell.flags()}: loads the base layer by layer, which reads plain tensors, but this checkpoint ships {quantized}-quantized "
+            f"weights (dequantized only by transformers' whole-model loading); {cell.spec.layer_by_layer_alternative}"
         )
     return None
 
 
-def check_layer_by_layer(cfg, model_type: str) -> None:
+def check_layer_by_layer(cfg, quantized: str | None) -> None:
     """layer_by_layer_refusal as the one-line error, before anything is loaded."""
-    reason = layer_by_layer_refusal(cell_of(cfg), model_type)
+    reason = layer_by_layer_refusal(cell_of(cfg), quantized)
     if reason:
         raise UserError(reason)
 

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 from lora_tune import merger, shards
 from lora_tune.config import ExportConfig
 from lora_tune.errors import UserError
+from lora_tune.model_loading import load_config
+from lora_tune.model_structure import auto_class
 
 
 @dataclass
@@ -60,17 +61,16 @@ def open_source(cfg: ExportConfig) -> Source:
         tensors = [t for group in merger.plan_output(shards.weight_files(base), torch.float32, 1 << 62) for t in group]
         if adapter_config.get("target_parameters"):
             return Source("run", folder, config, folder, tensors, None, None, folder, adapter_config)  # refused by the format
-        modules, replacements = merger.lora_modules(adapter_config, weights)
-        transposed = merger.transposed_weights(base, cfg.trust_remote_code)
-        if transposed is None:
-            transposed = set(modules) if adapter_config.get("fan_in_fan_out") else set()
-        missing = sorted((set(modules) | set(replacements)) - {t.name for t in tensors})
+        sources = {t.name: t.source for t in tensors}
+        adapter = merger.disk_adapter(base, folder, adapter_config, weights, sources, cfg.trust_remote_code)
+        adapter = adapter or merger.named_adapter(adapter_config, weights)
+        missing = sorted((set(adapter.modules) | set(adapter.replacements)) - set(sources))
         if missing:
             raise UserError(
                 f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this "
                 "adapter was trained on another base"
             )
-        tensor_merger = merger.TensorMerger(modules, replacements, transposed, torch.float32, verify=False)
+        tensor_merger = merger.TensorMerger(adapter, torch.float32, verify=False, sources=sources)
         tokenizer_dir = folder if (folder / "tokenizer_config.json").is_file() else base
         return Source(
             "run",
@@ -90,7 +90,7 @@ def open_source(cfg: ExportConfig) -> Source:
             raise UserError(f"{folder} has no .safetensors weights; give a merged folder written by `lora-tune merge` or save_pretrained")
         config = json.loads((folder / "config.json").read_text())
         tensors = [t for group in merger.plan_output(files, torch.float32, 1 << 62) for t in group]
-        reader = merger.TensorMerger({}, {}, set(), torch.float32, verify=False)
+        reader = merger.TensorMerger(merger.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
         return Source(
             "merged",
             folder,
@@ -108,7 +108,8 @@ def open_source(cfg: ExportConfig) -> Source:
 
 def peft_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, trust_remote_code: bool) -> torch.Tensor:
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    auto = auto_class(load_config(str(base), trust_remote_code))
+    model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
     model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -116,7 +117,8 @@ def peft_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, trust_remote_c
 
 def model_logits(folder: Path, ids: torch.Tensor, trust_remote_code: bool) -> torch.Tensor:
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
+    auto = auto_class(load_config(str(folder), trust_remote_code))
+    model = auto.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
 

@@ -106,7 +106,7 @@ def verify(path: Path, source, family, tensors, quant: str, work: Path) -> gguf_
     if source.n_params > gguf_format.FULL_CHECK_MAX_PARAMS:
         result.notes.append("logits not compared: base above 100M parameters")
         return result
-    base_reader = merger.TensorMerger({}, {}, set(), torch.float32, verify=False)
+    base_reader = merger.TensorMerger(merger.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
     planned = gguf_format.plan_tensors(source.config, family, [(t.name, t.shape) for t in source.tensors], "f16")
     by_name = source.by_name
     for t in planned:

@@ -53,7 +53,7 @@ def compute(cfg) -> Plan:
     engines.check_compatibility(cfg, paths=False)
     arch = load_architecture(cfg.base)
     if not cfg.auto:
-        engines.check_layer_by_layer(cfg, arch.model_type)
+        engines.check_layer_by_layer(cfg, arch.quantized)
     setup = setup_from(cfg)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
     cpu_bytes = cpu_memory_bytes(cfg.cpu_memory)
@@ -74,8 +74,8 @@ def compute(cfg) -> Plan:
             setup = fewest_checkpointed(arch, setup, budget)
         est = estimate(arch, setup)
         text = render.table(est, setup, gpu_bytes, cpu_bytes, arch.layers)
-    note = render.quantization_note(arch, setup.precision)
-    text = f"{text}\n{note}" if note else text
+    for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch)):
+        text = f"{text}\n{note}" if note else text
     return Plan(est, fits(est, gpu_bytes, cpu_bytes), setup, bool(cfg.auto), recommended, text)
 
 

@@ -185,24 +185,28 @@ def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
     attention = e * (2 * q + 2 * kv) + 4 * arch.heads
     mlp = (3 if arch.gated else 2) * e * i * (arch.active_experts if arch.experts else 1)  # MoE: each token's top-k experts
     targets = resolve_targets(arch.inventory, setup)
-    per_layer = [(name, n_in) for name, n_in, _ in arch.linears[: len(arch.linears) // arch.layers] if name in targets.modules]
-    lora = sum(e * setup.rank for _ in per_layer)  # lora_A outputs
+    # Summed over every layer and averaged: layers differ (dense first layers, linear attention).
+    adapted = [(name, n_in) for name, n_in, _ in arch.linears if name in targets.modules]
+    lora = sum(e * setup.rank for _ in adapted)  # lora_A outputs
     if setup.precision == "fp32":
         # No casts: LoRA layers reading the same input (q/k/v, gate/up) share one saved tensor.
         groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
-        seen = set()
-        for name, n_in in per_layer:
-            group = next((g for g in groups if name in g), (name,))
-            if group not in seen:
-                seen.add(group)
+        shared: dict[tuple, dict[str, int]] = {}
+        for name, n_in in adapted:
+            group = next((g for g in groups if name in g), None)
+            if group is None:
                 lora += e * n_in
+            else:
+                members = shared.setdefault(group, {})
+                members[name] = members.get(name, 0) + n_in
+        lora += sum(e * max(members.values()) for members in shared.values())
     else:
         # Under autocast peft recasts the input of each LoRA layer: one copy per layer.
-        lora += sum(e * n_in for _, n_in in per_layer)
+        lora += sum(e * n_in for _, n_in in adapted)
     # Fused expert tensors: each token's input and rank-r middle, per active expert.
     experts = [shape for path, shape in arch.tensors if path in targets.parameters and len(shape) == 3]
-    lora += sum(e * (shape[2] + setup.rank) * arch.active_experts for shape in experts) // arch.layers
-    return norms + attention + mlp + lora
+    lora += sum(e * (shape[2] + setup.rank) * arch.active_experts for shape in experts)
+    return norms + attention + mlp + lora / arch.layers
 
 
 def recomputed_layers(arch: Architecture, setup: Setup) -> int:

@@ -96,3 +96,13 @@ def train_command(base: str, setup: Setup) -> str:
 def quantization_note(arch: Architecture, precision: str) -> str | None:
     note = unquantized_experts(precision, arch.expert_params, arch.total)
     return f"note: {note}, and the figures above count them so" if note else None
+
+
+def recurrent_note(arch: Architecture) -> str | None:
+    """Activations are modelled per attention layer: say when some layers are something else."""
+    if not arch.recurrent:
+        return None
+    return (
+        f"note: {arch.recurrent} of {arch.layers} layers of {arch.model_type} keep a recurrent state (linear attention / SSM) instead of "
+        "attention; their activations are estimated as an attention layer's of the same width (approximate)"
+    )

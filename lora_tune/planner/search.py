@@ -19,7 +19,7 @@ def candidates(base: Setup, arch: Architecture, gpu_bytes: int):
     cells = [
         c
         for c in engines.supported_cells()
-        if c.precision in SEARCHED_PRECISIONS and engines.layer_by_layer_refusal(c, arch.model_type) is None
+        if c.precision in SEARCHED_PRECISIONS and engines.layer_by_layer_refusal(c, arch.quantized) is None
     ]
     for cell in cells:
         if base.world > 1 and not cell.spec.multi_process:

@@ -22,6 +22,7 @@ from lora_tune.engines import Cell, supported_cells
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import base_weight_bytes
 
+from families import build_family
 from helpers import (
     ALPACA,
     adapter_tensors,
@@ -73,6 +74,7 @@ HELD_BYTES = re.compile(
 NO_PERSISTENCE = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 
 
+MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
 
@@ -129,6 +131,10 @@ def jobs(tiny_model, tmp_path_factory):
             tiny_model, data, root / "fsdp-fp32-exact", **{**RUN_ARGS, "grad_accum": 1}, backend="fsdp", dropout=0.0, optim="adamw"
         ),
     )
+    # A checkpoint transformers converts on load (one tensor per expert on disk, fused in the model):
+    # streamed layer by layer and quantized, QLoRA on the fused experts.
+    mixtral = build_family("mixtral", root / "mixtral-base")
+    add("fsdp-4bit-mixtral", fast_train_args(mixtral, data, root / "fsdp-4bit-mixtral", **MOE_ARGS, backend="fsdp"))
     add("zero2-eval", fast_train_args(tiny_model, data, root / "zero2-eval", **RUN_ARGS, zero=2, lr=5e-2, eval_split=0.25, eval_steps=2))
     add("fsdp-kill-reference", fast_train_args(tiny_model, data, root / "fsdp-kill-reference", **KILL_ARGS, backend="fsdp"))
     add("zero2-kill-reference", fast_train_args(tiny_model, data, root / "zero2-kill-reference", **KILL_ARGS, zero=2))
@@ -138,7 +144,7 @@ def jobs(tiny_model, tmp_path_factory):
         if name:
             err = "".join(p.read_text() for p in sorted(root.glob(f"{name}.err.rank*")))
             outcome[name] = (result["code"], err, root / name)
-    return {"root": root, "data": data, "pairs": pairs, "runs": outcome}
+    return {"root": root, "data": data, "pairs": pairs, "runs": outcome, "mixtral": mixtral}
 
 
 def run_of(jobs, name) -> tuple[Path, str]:
@@ -173,6 +179,18 @@ def test_every_accepted_cell_trains_the_one_device_loss(cell, jobs, tiny_model, 
     tensors = adapter(out)
     assert len(tensors) == 28 and all(t.shape[0 if "lora_A" in k else 1] == 4 for k, t in tensors.items())
     assert f"{cell.backend} backend" in err
+
+
+def test_fsdp_qlora_on_a_converted_moe_checkpoint_equals_one_process(jobs, tmp_path, capsys):
+    """Mixtral's per-expert checkpoint tensors, fused on load, streamed layer by layer into FSDP2 at
+    4-bit on 2 ranks: the first step's loss is one process's over the same 2 micro-batches."""
+    out, err = run_of(jobs, "fsdp-4bit-mixtral")
+    assert "fsdp backend" in err and "can't be loaded layer by layer" not in err
+    one = tmp_path / "one"
+    code, _, err = run_cli(fast_train_args(jobs["mixtral"], jobs["data"], one, **{**MOE_ARGS, "grad_accum": 2}), capsys)
+    assert code == 0, err
+    assert step_losses(out)[0] == pytest.approx(step_losses(one)[0], rel=2e-4)
+    assert any("experts" in k for k in adapter(out))  # QLoRA on the fused expert tensors too
 
 
 @pytest.mark.parametrize("name", list(RESUMED))

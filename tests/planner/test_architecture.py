@@ -15,7 +15,7 @@ from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.memory import Setup, lora_tensors
 
 from families import FAMILIES, family_configs
-from helpers import run_cli, single_error_line
+from helpers import run_cli
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -71,8 +71,7 @@ def test_plan_of_a_moe_model_counts_all_experts_and_says_what_stays_bf16(capsys)
     assert weights == pytest.approx(85.14, abs=0.01)  # 45.1B expert parameters in bf16: bitsandbytes quantizes linears only
     assert "does NOT fit" in out and "fused MoE expert tensors (45.10B of 46.70B parameters) stay in bf16" in out
     code, out, _ = run_cli([*"plan --base mixtral-8x7b --auto --gpus 2 --gpu-memory h100-80".split()], capsys)
-    assert code == 0 and "--backend fsdp" not in out and "--zero 3" in out  # FSDP2 streams layers by name: not for Mixtral
+    # Layer-by-layer loading converts Mixtral's per-expert tensors as transformers does: FSDP2 is a candidate.
+    assert code == 0 and "--backend fsdp" in out
     code, _, err = run_cli(["plan", "--base", "mixtral-8x7b", "--backend", "fsdp", "--gpus", "2"], capsys)
-    assert code == 2 and single_error_line(err).startswith(
-        "error: --precision bf16 with --backend fsdp: loads the base layer by layer, which mixtral checkpoints don't allow"
-    )
+    assert code == 0, err
