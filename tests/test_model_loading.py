@@ -9,8 +9,8 @@ from transformers import AutoConfig, BloomConfig, LlamaConfig, MambaConfig, Mamb
 
 import lora_tune.model_loading as model_loading
 from lora_tune.errors import UserError
-from lora_tune.model_loading import attention_implementation, load_base_model, packing_refusal
-from lora_tune.tiny_model import train_tiny_tokenizer
+from lora_tune.model_loading import attention_implementation, checkpointing_refusal, load_base_model, packing_refusal
+from lora_tune.tiny_model import build_tiny_model, train_tiny_tokenizer
 
 from helpers import fast_train_args, read_metrics, run_cli
 
@@ -73,3 +73,21 @@ def test_the_base_loads_frozen_in_its_precision_without_a_cache(precision, dtype
     model = load_base_model(str(tiny_model), precision, torch.device("cpu"))
     assert not any(p.requires_grad for p in model.parameters()) and model.config.use_cache is False
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == dtype
+
+
+def test_a_model_that_cannot_checkpoint_trains_without_it_under_auto_and_refuses_on(tmp_path, data_files, capsys):
+    """CTRL's class says it doesn't support gradient checkpointing: auto turns it off and says so;
+    an explicit `on` is one error line before loading."""
+    base = build_tiny_model("ctrl", tmp_path / "ctrl")
+    assert checkpointing_refusal(AutoConfig.for_model("ctrl")) == "CTRLLMHeadModel does not support gradient checkpointing (transformers)"
+    assert checkpointing_refusal(LlamaConfig()) is None
+    code, _, err = run_cli(fast_train_args(base, data_files["alpaca"], tmp_path / "on", max_steps=1, gradient_checkpointing="on"), capsys)
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        "error: --gradient-checkpointing on: CTRLLMHeadModel does not support gradient checkpointing"
+    ), err
+    assert not (tmp_path / "on").exists()
+    out = tmp_path / "auto"
+    code, _, err = run_cli(fast_train_args(base, data_files["alpaca"], out, max_steps=1), capsys)
+    assert code == 0, err
+    assert "gradient checkpointing off: CTRLLMHeadModel does not support gradient checkpointing" in err
+    assert read_metrics(out)[0]["step"] == 1
