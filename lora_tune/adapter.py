@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import zlib
@@ -35,11 +36,30 @@ def is_linear(module) -> bool:
 
 
 def is_plain_linear(module) -> bool:
-    """A linear layer that computes x W^T + b, which is what a LoRA pair beside it adds to: not an
-    nn.Linear subclass with a forward of its own (DeepSeek-V4's grouped output projection)."""
+    """A linear layer that computes x W^T + b, which is what a LoRA pair beside it adds to. An
+    nn.Linear subclass with a forward of its own counts when it maps inputs of any leading shape to
+    out_features, as a linear does (Falcon's FalconLinear), checked on the meta device; one that
+    reshapes its input into groups (DeepSeek-V4's grouped output projection) doesn't."""
     if isinstance(module, (Conv1D, bnb.nn.Linear8bitLt, bnb.nn.Linear4bit)):  # bitsandbytes: the same product, quantized
         return True
-    return isinstance(module, torch.nn.Linear) and type(module).forward is torch.nn.Linear.forward
+    if not isinstance(module, torch.nn.Linear):
+        return False
+    return type(module).forward is torch.nn.Linear.forward or maps_like_a_linear(module)
+
+
+def maps_like_a_linear(module: torch.nn.Linear) -> bool:
+    # A shallow copy whose tensors are meta tensors of the same shapes: no memory, whatever the
+    # module's own device. Leading dims 5 x 7 (primes) so that no grouping of them goes unnoticed.
+    clone = copy.copy(module)
+    params = module._parameters.items()
+    clone._parameters = {k: None if v is None else torch.nn.Parameter(v.to("meta"), requires_grad=False) for k, v in params}
+    clone._buffers = {k: None if v is None else v.to("meta") for k, v in module._buffers.items()}
+    try:
+        with torch.no_grad():
+            out = clone(torch.empty(5, 7, module.in_features, device="meta"))
+    except Exception:  # noqa: BLE001 - a forward that can't take a plain input is not a plain linear
+        return False
+    return tuple(out.shape) == (5, 7, module.out_features)
 
 
 def block_path(name: str) -> str:

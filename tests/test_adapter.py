@@ -9,12 +9,15 @@ import pytest
 import torch
 from peft import PeftModel
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+from transformers.models.falcon.modeling_falcon import FalconLinear
 
 from lora_tune.adapter import (
     Inventory,
     adaptation_mismatch,
     add_lora,
     inject_on_meta,
+    is_plain_linear,
     lora_layers,
     peft_exact_targets,
     resolve_targets,
@@ -124,3 +127,15 @@ def test_a_failed_adapter_write_leaves_no_temporary_file(tiny_model, tmp_path, m
     with pytest.raises(OSError, match="No space left"):
         save_adapter(model, tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_linear_subclasses_count_as_linears_when_they_map_like_one():
+    """Falcon's FalconLinear (its own forward, the same product) is a LoRA target; DeepSeek-V4's
+    grouped projection (an nn.Linear that reshapes its input into groups) is not; both decided on
+    the meta device, whatever device the module is on."""
+    for device in ("cpu", "meta"):
+        with torch.device(device):
+            assert is_plain_linear(FalconLinear(8, 16)) and is_plain_linear(torch.nn.Linear(8, 16))
+            assert not is_plain_linear(DeepseekV4GroupedLinear(8, 16, 2)) and not is_plain_linear(DeepseekV4GroupedLinear(8, 16, 7))
+    config = shrink_config(CONFIG_MAPPING["falcon"]())
+    assert set(resolve_targets(meta_model(config), options()).modules) == {"dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"}
