@@ -94,7 +94,7 @@ class Targets:
             if is_linear(module) and linear_name(name) in self.modules:
                 names.add(f"{name}.weight")
             for p, _ in module.named_parameters(recurse=False):
-                if block_path(f"{name}.{p}") in self.parameters:
+                if block_path(f"{name}.{p}") in self.parameters or f"{name}.{p}" in self.parameters:
                     names.add(f"{name}.{p}")
         return names
 
@@ -275,7 +275,10 @@ def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
         return targets
     dropped = {linear_name(n.removesuffix(".weight")) for n in wanted - set(adapted)} & set(targets.modules)
     if dropped:
-        moved = tuple(sorted({block_path(n) for n in wanted if linear_name(n.removesuffix(".weight")) in dropped}))
+        # By block path; by full name when a scope is set, since the same block paths name the vision
+        # tower's layers too (target_parameters match name suffixes, not an anchored pattern).
+        linears = [n for n in wanted if n.endswith(".weight") and linear_name(n.removesuffix(".weight")) in dropped]
+        moved = tuple(sorted({n if targets.scope else block_path(n) for n in linears} - set(targets.parameters), key=natural_order))
         modules = tuple(m for m in targets.modules if m not in dropped)
         candidate = Targets(modules, targets.parameters + moved, targets.scope if modules else None)
         if adaptation_mismatch(*probe_peft(config, cfg, candidate), cfg.rank) is None:

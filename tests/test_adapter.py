@@ -114,6 +114,20 @@ def test_pefts_moe_target_rewrite_is_avoided_so_every_requested_linear_is_adapte
     assert inject_on_meta(config, cfg, exact) == (wanted, dict.fromkeys(wanted, 4))
     with pytest.raises(UserError, match="--precision 4bit: peft rewrites the LoRA targets of deepseek_v3 models"):
         peft_exact_targets(config, options(rank=4, lora_alpha=8, rslora=False, precision="4bit"), asked)
+    assert len(exact.parameters) == len(set(exact.parameters))  # each tensor named once
+
+
+def test_pefts_moe_rewrite_in_an_image_text_wrapper_is_avoided_inside_the_language_model_only():
+    """GLM-4.5V: the same rewrite, but the vision tower's blocks have `mlp.down_proj` too; the moved
+    linears are named by their full path, so nothing outside the language model is adapted."""
+    config = shrink_config(CONFIG_MAPPING["glm4v_moe"]())
+    cfg = options(rank=4, lora_alpha=8, rslora=False, precision="fp32")
+    asked = resolve_targets(meta_model(config), cfg)
+    wanted, _ = inject_on_meta(config, cfg, asked)
+    exact = peft_exact_targets(config, cfg, asked)
+    assert all(p.startswith("model.language_model.layers.") for p in set(exact.parameters) - set(asked.parameters))
+    assert inject_on_meta(config, cfg, exact) == (wanted, dict.fromkeys(wanted, 4))
+    assert not any(n.startswith("model.visual") for n in wanted)
 
 
 def test_a_failed_adapter_write_leaves_no_temporary_file(tiny_model, tmp_path, monkeypatch):
