@@ -48,10 +48,10 @@ RESULTS = REPO / "benchmarks" / "results"
 
 # The CI subset: the dozen most fine-tuned families, then one of each structure the issue names:
 # MoE with shared experts, dense first layers and MLA; hybrid linear attention; image-text wrappers
-# (one with no causal-LM class at all); Conv1D.
+# (one with no causal-LM class at all); Conv1D; a checkpoint stored under other names, transposed (ergo).
 FAST = (
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "gpt_oss", "llama4_text", "olmo2",
-    "deepseek_v3", "qwen3_next", "mistral3", "gpt2",
+    "deepseek_v3", "qwen3_next", "mistral3", "gpt2", "ergo",
 )  # fmt: skip
 
 TIMEOUT = 600  # seconds per model type

@@ -506,11 +506,16 @@ class TensorMerger:
                 disk[name] = f.get_tensor(name)
         weight = layout.disk_to_model(disk)[key]
         del disk
-        merged = merged_experts(weight, lora, key)
+        # A fused expert tensor, or a linear's weight the checkpoint stores renamed or transposed
+        # (Ergo's `gate_kernel`): merged in the model's layout either way.
+        merged = merged_experts(weight, lora, key) if lora.experts else merged_weight(weight, lora, False, key)
         if not all_finite(merged):
             raise UserError(f"merged weight {key} contains NaN/inf; the adapter is broken (check the training metrics)")
         merged = merged.to(self.dtype)  # the one cast
-        self._verified(lambda: verify_expert(weight, merged, lora))
+        if lora.experts:
+            self._verified(lambda: verify_expert(weight, merged, lora))
+        else:
+            self._verified(lambda: verify_layer(key, weight, merged, lora, False))
         self.ready.update(layout.model_to_disk({key: merged}))
 
     def __call__(self, t: PlannedTensor) -> torch.Tensor:
