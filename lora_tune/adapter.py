@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import bitsandbytes as bnb
+import peft
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
@@ -321,6 +323,26 @@ def peft_accepted(config, cfg, targets: Targets) -> Targets:
     for name, why in refused.items():
         log.warning("LoRA targets: %s left out, peft refuses to adapt it on this model (%s)", name, why)
     return Targets(tuple(m for m in targets.modules if m not in refused), targets.parameters, targets.scope)
+
+
+def check_loads_back(config, cfg, targets: Targets) -> None:
+    """Refuse, before loading, an adapter stock peft could not load back onto this model: peft
+    0.21 renames adapter keys with transformers' conversion mapping on load, and for a few model
+    types the patterns also match the names the model already uses (Laguna's `shared_expert.`
+    matches `shared_experts.`), so PeftModel.from_pretrained, resume and eval would silently drop
+    those LoRA tensors. Tried on meta skeletons: the adapter's own state dict loaded back."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # peft warns about the keys it drops: counted here instead
+        state = get_peft_model_state_dict(get_peft_model(meta_model(config), lora_config(cfg, targets)))
+        result = set_peft_model_state_dict(get_peft_model(meta_model(config), lora_config(cfg, targets)), state)
+    dropped = sorted(k for k in result.unexpected_keys if "lora_" in k)
+    if dropped:
+        raise UserError(
+            f"--base: peft {peft.__version__} could not load this {config.model_type} model's adapter back: it renames adapter "
+            f"keys with transformers' conversion mapping and would drop {len(dropped)} of {len(state)} LoRA tensors (e.g. it "
+            f"reads {dropped[0]}), so resume, eval and PeftModel.from_pretrained would lose them; pass --target-modules "
+            "without the linears of that part, or use another peft version"
+        )
 
 
 def check_adapted(wanted: set[str], peft_model, rank: int) -> None:

@@ -22,7 +22,7 @@ from huggingface_hub import try_to_load_from_cache
 from lora_tune import checkpoint as ckpt
 from lora_tune import distributed as dist
 from lora_tune import engines, evaluation, objectives, planner, serving, shards
-from lora_tune.adapter import Checkpointing, Inventory, Targets, peft_exact_targets, resolve_targets
+from lora_tune.adapter import Checkpointing, Inventory, Targets, check_loads_back, peft_exact_targets, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
 from lora_tune.config import TrainConfig
@@ -293,6 +293,7 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
             ", ".join(inventory.tied),
         )
     targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg))
+    check_loads_back(config, cfg, targets)
     log.info("LoRA targets: %s", targets.describe(skeleton))
     fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
     note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))

@@ -16,6 +16,7 @@ from lora_tune.adapter import (
     Inventory,
     adaptation_mismatch,
     add_lora,
+    check_loads_back,
     inject_on_meta,
     is_plain_linear,
     lora_layers,
@@ -153,3 +154,17 @@ def test_linear_subclasses_count_as_linears_when_they_map_like_one():
             assert not is_plain_linear(DeepseekV4GroupedLinear(8, 16, 2)) and not is_plain_linear(DeepseekV4GroupedLinear(8, 16, 7))
     config = shrink_config(CONFIG_MAPPING["falcon"]())
     assert set(resolve_targets(meta_model(config), options()).modules) == {"dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"}
+
+
+def test_an_adapter_peft_would_not_load_back_is_refused_before_loading():
+    """peft 0.21 renames adapter keys with transformers' conversion mapping on load; for Laguna the
+    pattern `mlp.shared_expert.` also matches `mlp.shared_experts.`, so the shared experts' LoRA
+    would be dropped by PeftModel.from_pretrained and by resume: refused in one line. Llama and
+    DeepSeek-V3 (with the MoE rewrite avoided) load back whole."""
+    cfg = options(rank=4, lora_alpha=8, rslora=False, precision="fp32")
+    for model_type in ("llama", "deepseek_v3"):
+        config = shrink_config(CONFIG_MAPPING[model_type]())
+        check_loads_back(config, cfg, peft_exact_targets(config, cfg, resolve_targets(meta_model(config), cfg)))
+    config = shrink_config(CONFIG_MAPPING["laguna"]())
+    with pytest.raises(UserError, match=r"could not load this laguna model's adapter back: .* would drop 12 of 56 LoRA tensors"):
+        check_loads_back(config, cfg, peft_exact_targets(config, cfg, resolve_targets(meta_model(config), cfg)))
