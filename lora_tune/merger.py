@@ -201,6 +201,10 @@ class DiskAdapter:
     layout: CheckpointLayout | None = None
 
 
+class NotStreamable(Exception):
+    """The adapter can't be merged tensor group by tensor group into this checkpoint (says why)."""
+
+
 def adapter_tensor(weights: dict[str, torch.Tensor], name: str, part: str) -> torch.Tensor | None:
     return weights.get(f"{name}.{part}.weight", weights.get(f"{name}.{part}"))
 
@@ -250,6 +254,11 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
     conv1d = {f"{n}.weight" for n, m in skeleton.named_modules() if isinstance(m, Conv1D)}
     out = DiskAdapter({}, {}, {}, set(), layout)
     for key, lora in loras.items():
+        if key not in layout.groups and key in layout.model_state:
+            # A model tensor no checkpoint tensor maps to by the conversion mapping alone (a fused
+            # qkv that transformers splits on load; names its loader maps otherwise): not one group
+            # of its own, so not mergeable tensor group by tensor group.
+            raise NotStreamable(f"{key} is not stored as a tensor (group) of its own in the checkpoint")
         if key not in layout.groups:
             raise UserError(f"--base: the adapter targets {key}, which the base does not store; this adapter was trained on another base")
         if layout.is_renaming(key) and not lora.experts:
@@ -572,6 +581,13 @@ def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig
     merged.save_pretrained(out, max_shard_size=cfg.max_shard_size)
     drift = relative_drift(got, want)
     log.info("verify: whole-model logits, base + adapter (peft) vs merged: relative drift %.2e", drift)
+    if cfg.verify and sum(p.numel() for p in merged.parameters()) <= FULL_CHECK_MAX_PARAMS:
+        # What was written, read back: save_pretrained's layout must load as the model it saved.
+        del model, merged
+        reloaded = auto_class(config).from_pretrained(out, dtype=dtype, trust_remote_code=cfg.trust_remote_code).eval()
+        with torch.no_grad():
+            drift = max(drift, relative_drift(reloaded(input_ids=ids, use_cache=False).logits, want))
+        log.info("verify: the written folder read back vs base + adapter (peft): relative drift %.2e", drift)
     return drift if cfg.verify else None
 
 
@@ -644,7 +660,17 @@ def run(cfg: MergeConfig) -> Path:
         return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
     groups = plan_output(base_files, dtype, max_bytes)
     sources = {t.name: t.source for group in groups for t in group}
-    adapter = disk_adapter(base, adapter_dir, config, weights, sources, cfg.trust_remote_code)
+    try:
+        adapter = disk_adapter(base, adapter_dir, config, weights, sources, cfg.trust_remote_code)
+    except NotStreamable as e:
+        n_params = sum(math.prod(t.shape) for group in groups for t in group)
+        log.warning(
+            "merge: %s; merging through transformers with the whole model in host memory (~%.1f GB), which writes the "
+            "checkpoint's own layout",
+            e,
+            n_params * dtype.itemsize / 1e9,
+        )
+        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
     if adapter is None and config.get("target_parameters"):
         n_params = sum(math.prod(t.shape) for group in groups for t in group)
         log.warning(

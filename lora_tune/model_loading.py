@@ -97,9 +97,17 @@ def load_base_model(
     if not zero3:
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
     try:
-        model = auto_class(load_config(base_path, trust_remote_code)).from_pretrained(base_path, **kwargs)
+        model, info = auto_class(load_config(base_path, trust_remote_code)).from_pretrained(base_path, output_loading_info=True, **kwargs)
     except OSError as e:
         raise UserError(f"--base: could not load weights from {base_path} ({first_line(e)})") from None
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        # transformers initialises what the files lack at random and goes on: training on that
+        # would be training on noise.
+        raise UserError(
+            f"--base: {base_path} has no weights for {len(missing)} tensors {type(model).__name__} needs (e.g. {missing[0]}); "
+            "transformers would fill them at random. The checkpoint is incomplete or of another model class"
+        )
     model.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     for p in model.parameters():
         p.requires_grad_(False)

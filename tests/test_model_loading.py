@@ -3,8 +3,11 @@ same class; the attention kernels; the base loaded frozen in its precision."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, BloomConfig, LlamaConfig, MambaConfig, MambaForCausalLM
 
 import lora_tune.model_loading as model_loading
@@ -91,3 +94,16 @@ def test_a_model_that_cannot_checkpoint_trains_without_it_under_auto_and_refuses
     assert code == 0, err
     assert "gradient checkpointing off: CTRLLMHeadModel does not support gradient checkpointing" in err
     assert read_metrics(out)[0]["step"] == 1
+
+
+def test_a_base_missing_weights_is_refused_not_filled_at_random(tiny_model, tmp_path):
+    """transformers fills tensors the files lack with random values and goes on; lora-tune refuses."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model, base)
+    weights = load_file(str(base / "model.safetensors"))
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, str(base / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        UserError, match=r"has no weights for 1 tensors LlamaForCausalLM needs \(e.g. model.layers.1.mlp.down_proj.weight\)"
+    ):
+        load_base_model(str(base), "fp32", torch.device("cpu"))
