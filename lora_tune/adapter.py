@@ -61,7 +61,7 @@ def maps_like_a_linear(module: torch.nn.Linear) -> bool:
             out = clone(torch.empty(5, 7, module.in_features, device="meta"))
     except Exception:  # noqa: BLE001 - a forward that can't take a plain input is not a plain linear
         return False
-    return tuple(out.shape) == (5, 7, module.out_features)
+    return isinstance(out, torch.Tensor) and tuple(out.shape) == (5, 7, module.out_features)  # Llama 4's router returns a tuple
 
 
 def block_path(name: str) -> str:

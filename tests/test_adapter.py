@@ -11,6 +11,7 @@ from peft import PeftModel
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
 from transformers.models.falcon.modeling_falcon import FalconLinear
+from transformers.models.llama4.modeling_llama4 import Llama4Router
 
 from lora_tune.adapter import (
     Inventory,
@@ -152,6 +153,7 @@ def test_linear_subclasses_count_as_linears_when_they_map_like_one():
         with torch.device(device):
             assert is_plain_linear(FalconLinear(8, 16)) and is_plain_linear(torch.nn.Linear(8, 16))
             assert not is_plain_linear(DeepseekV4GroupedLinear(8, 16, 2)) and not is_plain_linear(DeepseekV4GroupedLinear(8, 16, 7))
+            assert not is_plain_linear(Llama4Router(shrink_config(CONFIG_MAPPING["llama4_text"]())))  # returns (scores, logits)
     config = shrink_config(CONFIG_MAPPING["falcon"]())
     assert set(resolve_targets(meta_model(config), options()).modules) == {"dense", "dense_4h_to_h", "dense_h_to_4h", "query_key_value"}
 
