@@ -14,7 +14,7 @@ Each runs in a fresh interpreter that reports its peak RSS (VmHWM) and time; the
 tensor by tensor (same names, values in fp32). Checkpoints: ~1 GB in fp32, in 50 MB shards (the merged output in 100 MB ones); adapter
 rank 16 on q/v and on the fused experts, random (non-zero) B.
 
-    python benchmarks/merge_converted.py [--workdir DIR] [--only mixtral]
+    python benchmarks/merge_converted.py [--workdir DIR] [--only mixtral] [--layers 24]
 
 Results: benchmarks/results/merge_converted.md
 """
@@ -90,19 +90,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--only", default=",".join(FAMILIES))
+    parser.add_argument("--layers", type=int, default=COMMON["num_hidden_layers"], help="decoder layers (the model's size)")
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="merge-converted-"))
     _, _, import_rss = run(IMPORTS)
     print(f"importing torch + transformers + peft + lora_tune.merger alone: {import_rss / 2**30:.2f} GiB peak RSS")
     header = f"{'checkpoint':<12} {'size GB':>8} {'shards':>7} {'route':<12} {'peak RSS GiB':>13} {'s':>6}"
     print(f"{header} {'same names':>11} {'max rel diff':>13}")
+    COMMON["num_hidden_layers"] = args.layers
     for family in args.only.split(","):
-        base, adapter = build(family, workdir)
+        root = workdir / f"layers-{args.layers}"
+        base, adapter = build(family, root)
         size = sum(f.stat().st_size for f in base.glob("*.safetensors"))
         shards = len(list(base.glob("*.safetensors")))
         outs = {}
         for route, code in (("whole model", USUAL), ("lora-tune", OURS)):
-            out = workdir / family / route.replace(" ", "_")
+            out = root / family / route.replace(" ", "_")
             subprocess.run(["rm", "-rf", str(out)])
             wall, seconds, rss = run(code, base, adapter, out)
             outs[route] = out
