@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import re
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -213,14 +214,22 @@ def check_parameter_options(targets: Targets, cfg) -> None:
         )
 
 
+def base_name(name: str) -> str:
+    """The base model's name of a peft-wrapped model's parameter or module: peft's prefixes and
+    `.base_layer` wrappers dropped (nested ones too: fused experts get one per adapted parameter)."""
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name.removeprefix("peft_model.").removeprefix("base_model.model."))
+
+
+def lora_target(name: str, layer) -> str:
+    """The base tensor a LoRA layer (peft module `name`) adapts: a linear's weight, or the parameter
+    a ParamWrapper names."""
+    return f"{base_name(name)}.{getattr(layer, 'parameter_name', 'weight')}"
+
+
 def adapted_weights(peft_model) -> dict[str, int]:
     """What peft really adapted: base tensor name -> LoRA rank (nested ParamWrappers, one per
     tensor of a module, each name their own parameter)."""
-    adapted = {}
-    for name, layer in lora_layers(peft_model):
-        module = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        adapted[f"{module}.{getattr(layer, 'parameter_name', 'weight')}"] = layer.r["default"]
-    return adapted
+    return {lora_target(name, layer): layer.r["default"] for name, layer in lora_layers(peft_model)}
 
 
 def adaptation_mismatch(wanted: set[str], adapted: dict[str, int], rank: int) -> str | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from transformers import AutoConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from lora_tune import shards
+from lora_tune.adapter import base_name
 from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.errors import UserError
 from lora_tune.int8_sharded import ShardableLinear8bit
@@ -93,13 +93,6 @@ def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
     if not layers:
         raise NotStreamable(f"{type(decoder_body(base)).__name__} declares no decoder-layer class (_no_split_modules)")
     return layers
-
-
-def checkpoint_key(name: str) -> str:
-    """The checkpoint's name of a parameter of the (peft-wrapped) model."""
-    # peft nests a wrapper per adapted parameter of one module (fused experts: gate_up_proj and
-    # down_proj), so `.base_layer` can repeat.
-    return re.sub(r"(\.base_layer)+\.", ".", name.removeprefix("peft_model.").removeprefix("base_model.model."))
 
 
 def build_skeleton(
@@ -217,7 +210,7 @@ def fill(unit: torch.nn.Module, unit_name: str, reader: CheckpointReader, config
     wanted = []
     for module_name, module in unit.named_modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            key = checkpoint_key(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}")
+            key = base_name(f"{prefix}{module_name}.{name}" if module_name else f"{prefix}{name}")
             if tensor.device.type == "meta" and key in reader:
                 wanted.append((module, name, key))
     values = reader.model_tensors([key for _, _, key in wanted])

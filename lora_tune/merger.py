@@ -41,7 +41,7 @@ from transformers.utils import logging as hf_logging
 
 from lora_tune import checkpoint as ckpt
 from lora_tune import shards
-from lora_tune.adapter import lora_layers
+from lora_tune.adapter import lora_layers, lora_target
 from lora_tune.aliases import resolve_base
 from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.config import MergeConfig, parse_size
@@ -232,9 +232,7 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
     tied = dict(getattr(skeleton, "all_tied_weights_keys", None) or {})  # a tied tensor is stored under its source's name
     for name, layer in lora_layers(wrapped):
         names = aliases[id(layer)]
-        keys = [
-            f"{n.removeprefix('base_model.model.').replace('.base_layer', '')}.{getattr(layer, 'parameter_name', 'weight')}" for n in names
-        ]
+        keys = [lora_target(n, layer) for n in names]
         key = next((tied.get(k, k) for k in keys if tied.get(k, k) in layout.groups), keys[0])
         module = key.rsplit(".", 1)[0]
         a, b = adapter_tensor(weights, name, "lora_A"), adapter_tensor(weights, name, "lora_B")
@@ -646,40 +644,30 @@ def run(cfg: MergeConfig) -> Path:
     prepare_output(out, cfg.overwrite)
     dtype = OUT_DTYPE[cfg.dtype]
     base_files = shards.weight_files(base)
+
+    def through_transformers(reason: str, n_bytes: int) -> Path:
+        """The whole-model route (transformers + peft, verified), said with its memory."""
+        log.warning("merge: %s; merging through transformers with the whole model in host memory (~%.1f GB)", reason, n_bytes / 1e9)
+        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
+
     quantized = quant_method(load_config(str(base), cfg.trust_remote_code))
     if quantized:
-        n_bytes = sum(e.nbytes for f in base_files for e in shards.read_header(f).values())
-        log.warning(
-            "merge: %s ships %s-quantized weights; merging through transformers, which dequantizes them, with the whole model in "
-            "host memory (~%.1f GB as stored, more dequantized), into plain %s weights",
-            base,
-            quantized,
-            n_bytes / 1e9,
-            cfg.dtype,
-        )
-        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
+        stored = sum(e.nbytes for f in base_files for e in shards.read_header(f).values())
+        reason = f"{base} ships {quantized}-quantized weights, which transformers dequantizes (more than stored) into plain {cfg.dtype}"
+        return through_transformers(reason, stored)
     groups = plan_output(base_files, dtype, max_bytes)
     sources = {t.name: t.source for group in groups for t in group}
+    output_bytes = sum(math.prod(t.shape) for group in groups for t in group) * dtype.itemsize
     try:
         adapter = disk_adapter(base, adapter_dir, config, weights, sources, cfg.trust_remote_code)
     except NotStreamable as e:
-        n_params = sum(math.prod(t.shape) for group in groups for t in group)
-        log.warning(
-            "merge: %s; merging through transformers with the whole model in host memory (~%.1f GB), which writes the "
-            "checkpoint's own layout",
-            e,
-            n_params * dtype.itemsize / 1e9,
-        )
-        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
+        return through_transformers(f"{e}, so transformers writes the checkpoint's own layout", output_bytes)
     if adapter is None and config.get("target_parameters"):
-        n_params = sum(math.prod(t.shape) for group in groups for t in group)
-        log.warning(
-            "merge: the adapter adapts %s of a model transformers doesn't implement (remote code), so which tensors on disk they "
-            "are built from is unknown; merging through transformers with the whole model in host memory (~%.1f GB)",
-            ", ".join(config["target_parameters"]),
-            n_params * dtype.itemsize / 1e9,
+        reason = (
+            f"the adapter adapts {', '.join(config['target_parameters'])} of a model transformers doesn't implement (remote code), "
+            "so which tensors on disk they are built from is unknown"
         )
-        return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
+        return through_transformers(reason, output_bytes)
     if adapter is None:
         adapter = named_adapter(config, weights)
         missing = sorted((set(adapter.modules) | set(adapter.replacements)) - set(sources))

@@ -89,7 +89,8 @@ def load_base_model(
         use_safetensors=None if allow_bin else True,
         attn_implementation=attn_implementation,
     )
-    quant = quantization_config(precision) or dequantizing(load_config(base_path, trust_remote_code), precision)
+    config = load_config(base_path, trust_remote_code)
+    quant = quantization_config(precision) or dequantizing(config, precision)
     if quant is not None:
         kwargs["quantization_config"] = quant
     # device_map puts each weight straight onto its device while loading, so the host never holds
@@ -97,7 +98,7 @@ def load_base_model(
     if not zero3:
         kwargs["device_map"] = {"": device.index if device.type == "cuda" else str(device)}
     try:
-        model, info = auto_class(load_config(base_path, trust_remote_code)).from_pretrained(base_path, output_loading_info=True, **kwargs)
+        model, info = auto_class(config).from_pretrained(base_path, output_loading_info=True, **kwargs)
     except OSError as e:
         raise UserError(f"--base: could not load weights from {base_path} ({first_line(e)})") from None
     missing = sorted(info.get("missing_keys") or [])

@@ -17,6 +17,7 @@ from lora_tune.adapter import (
     Inventory,
     adaptation_mismatch,
     add_lora,
+    base_name,
     check_loads_back,
     inject_on_meta,
     is_plain_linear,
@@ -170,3 +171,14 @@ def test_an_adapter_peft_would_not_load_back_is_refused_before_loading():
     config = shrink_config(CONFIG_MAPPING["laguna"]())
     with pytest.raises(UserError, match=r"could not load this laguna model's adapter back: .* would drop 12 of 56 LoRA tensors"):
         check_loads_back(config, cfg, peft_exact_targets(config, cfg, resolve_targets(meta_model(config), cfg)))
+
+
+def test_base_names_drop_the_peft_wrapping():
+    # Fused experts with two adapted parameters are wrapped twice; a wrapper's own module name ends in one.
+    assert base_name("peft_model.base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj") == (
+        "model.layers.0.mlp.experts.gate_up_proj"
+    )
+    assert base_name("peft_model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == (
+        "model.layers.0.self_attn.q_proj.weight"
+    )
+    assert base_name("base_model.model.model.layers.0.mlp.experts.base_layer") == "model.layers.0.mlp.experts"

@@ -80,15 +80,3 @@ def test_a_checkpoint_under_other_names_is_not_streamable(tiny_model, tmp_path):
     save_file(weights, str(renamed / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(layerwise.NotStreamable, match="the checkpoint has no tensor for model.layers.0.self_attn.q_proj.weight"):
         layerwise.build_skeleton(str(renamed), "fp32", trust_remote_code=False)
-
-
-def test_checkpoint_keys_drop_the_peft_wrapping():
-    # Fused experts with two adapted parameters are wrapped twice.
-    assert (
-        layerwise.checkpoint_key("peft_model.base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj")
-        == "model.layers.0.mlp.experts.gate_up_proj"
-    )
-    assert (
-        layerwise.checkpoint_key("peft_model.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
-        == "model.layers.0.self_attn.q_proj.weight"
-    )
