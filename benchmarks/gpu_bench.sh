@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU, random weights, no downloads: Llama-3-8B-shaped bf16 LoRA r16 and 4-bit QLoRA at 2,048 and
-# 8,192 tokens, lora-tune vs TRL (packing) vs HF Trainer + PEFT: tokens/s, MFU, peak
+# 8,192 tokens, lora-tune (eager and --compile, auto and full checkpointing) vs TRL (packing) vs HF Trainer + PEFT: tokens/s, MFU, peak
 # max_memory_allocated, and the plan vs what lora-tune measured. Results: benchmarks/results/gpu_bench.md
 # (and .jsonl). Finishes within 8 minutes on one H200 (8 steps per route).
 #
@@ -11,13 +11,16 @@ cd "$(dirname "$0")/.."
 shape=8b; steps=8; seqs="2048 8192"; out=benchmarks/results/gpu_bench
 if [ -n "${GPU_BENCH_TINY:-}" ]; then shape=tiny; steps=2; seqs="1024"; out="${GPU_BENCH_OUT:-$(mktemp -d)/gpu_bench}"; fi
 work="${GPU_BENCH_WORK:-$(mktemp -d)}"; mkdir -p "$work"
+# lora-tune eager and compiled, with auto checkpointing (the default) and with every layer checkpointed.
+routes=("lora-tune train (defaults)" "lora-tune train --compile" "lora-tune train --gradient-checkpointing on"
+        "lora-tune train --compile --gradient-checkpointing on" "HF Trainer + PEFT (padded)" "TRL SFTTrainer (packing, padding-free)")
 rm -f "$out.jsonl"
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null || echo "no GPU (CPU run)"
   for precision in bf16 4bit; do
     for seq in $seqs; do
       python benchmarks/train_vs_peers.py --shape "$shape" --precision "$precision" --seq "$seq" --micro-batch 1 \
-        --max-steps "$steps" --samples 64 --equal-length --workdir "$work" --json "$out.jsonl" 2>"$work/stderr.log" \
+        --max-steps "$steps" --samples 64 --cases equal-length --routes "${routes[@]}" --workdir "$work" --json "$out.jsonl" 2>"$work/stderr.log" \
         || { tail -n 30 "$work/stderr.log" >&2; exit 1; }  # third-party noise stays out of the table, failures don't
       echo
     done

@@ -12,9 +12,13 @@ Each route runs in a fresh interpreter; reported: whole-process wall time (impor
 (non-padding) tokens per second of training, peak RSS (VmHWM) and the final training loss (mean
 of the last 5 logged steps), then the ratios of lora-tune to each peer.
 
-    python benchmarks/train_vs_peers.py [--samples 128] [--equal-length] [--workdir DIR] [--tiny]
+    python benchmarks/train_vs_peers.py [--samples 128] [--cases long-tail equal-length] [--routes ...] [--workdir DIR] [--tiny]
 
-`--equal-length`: samples that need no padding (~930 tokens each, 64 of them). On a GPU
+Two cases, both by default: long-tail samples (where packing removes the padding), and equal-length
+samples that need no padding (~930 tokens each, 64 of them: every route does the same compute per
+step). Routes: lora-tune with its defaults and with `--compile`, HF Trainer + PEFT, TRL. Besides
+throughput over the whole epoch (the first step included: compilation is paid there), the median
+optimizer step after the first is reported, and its ratio on equal-length data. On a GPU
 (`benchmarks/gpu_bench.sh`): `--shape 8b --precision bf16|4bit --seq N --micro-batch 1 --max-steps K`
 runs a Llama-3-8B-shaped model with random weights, reports peak `max_memory_allocated`, MFU and the
 plan's figure for the same setup; `--json FILE` appends the results.
@@ -26,6 +30,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -71,6 +76,15 @@ def common_args():
                 bf16=cfg["precision"] != "fp32", max_steps=cfg["max_steps"] or -1)
 def device_peak():
     return torch.cuda.max_memory_allocated() if cuda else None
+from transformers import TrainerCallback
+class StepTimes(TrainerCallback):  # each optimizer step's seconds, as lora-tune's metrics log them
+    def __init__(self):
+        self.seconds = []
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t = time.perf_counter()
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.perf_counter() - self.t)
+step_times = StepTimes()
 """
 
 HF_TRAINER = (
@@ -89,14 +103,16 @@ def encode(r):
 data = Dataset.from_list([encode(r) for r in rows])
 model = get_peft_model(load_model(), LoraConfig(r=16, lora_alpha=32, lora_dropout=cfg["dropout"], target_modules="all-linear", task_type="CAUSAL_LM"))
 args = TrainingArguments(output_dir=sys.argv[4], per_device_train_batch_size=cfg["micro_batch_size"], **common_args())
-trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100))
+trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100),
+                  callbacks=[step_times])
 t = time.perf_counter()
 trainer.train()
 seconds = time.perf_counter() - t
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
 steps = trainer.state.global_step
 tokens = sum(len(x) for x in data["input_ids"][: steps * cfg["micro_batch_size"]]) if cfg["max_steps"] else sum(len(x) for x in data["input_ids"])
-print("RESULT", json.dumps({"train_seconds": seconds, "tokens": tokens, "peak": peak(), "device_peak": device_peak(), "losses": losses}))
+print("RESULT", json.dumps({"train_seconds": seconds, "tokens": tokens, "peak": peak(), "device_peak": device_peak(), "losses": losses,
+                            "step_seconds": step_times.seconds}))
 """
 )
 
@@ -114,14 +130,15 @@ model = load_model()
 args = SFTConfig(output_dir=sys.argv[4], per_device_train_batch_size=1, packing=True, padding_free=True,
                  max_length=cfg["micro_batch_size"] * cfg["max_seq_len"], **common_args())
 peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=cfg["dropout"], target_modules="all-linear", task_type="CAUSAL_LM")
-trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=peft)
+trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok, peft_config=peft, callbacks=[step_times])
 t = time.perf_counter()
 trainer.train()
 seconds = time.perf_counter() - t
 rows_done = trainer.train_dataset["input_ids"][: trainer.state.global_step] if cfg["max_steps"] else trainer.train_dataset["input_ids"]
 tokens = sum(len(x) for x in rows_done)
 losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-print("RESULT", json.dumps({"train_seconds": seconds, "tokens": tokens, "peak": peak(), "device_peak": device_peak(), "losses": losses}))
+print("RESULT", json.dumps({"train_seconds": seconds, "tokens": tokens, "peak": peak(), "device_peak": device_peak(), "losses": losses,
+                            "step_seconds": step_times.seconds}))
 """
 )
 
@@ -134,6 +151,7 @@ cfg = json.loads(sys.argv[3])
 argv = ["train", "--base", sys.argv[1], "--data", sys.argv[2], "--output-dir", sys.argv[4], "--precision", cfg["precision"], "--rank", "16",
         "--alpha", "32", "--micro-batch-size", str(cfg["micro_batch_size"]), "--max-seq-len", str(cfg["max_seq_len"]), "--lr", "2e-4",
         "--epochs", "1", "--seed", str(cfg["seed"]), "--logging-steps", "1"] + (["--max-steps", str(cfg["max_steps"])] if cfg["max_steps"] else [])
+argv += (["--compile"] if cfg.get("compile") else []) + (["--gradient-checkpointing", cfg["checkpointing"]] if cfg.get("checkpointing") else [])
 t = time.perf_counter()
 code = main(argv)
 seconds = time.perf_counter() - t
@@ -144,14 +162,20 @@ train_seconds = sum(r["step_seconds"] for r in steps)
 import torch
 device_peak = max(r["peak_memory_bytes"] for r in steps) if torch.cuda.is_available() else None
 print("RESULT", json.dumps({"train_seconds": train_seconds, "tokens": steps[-1]["tokens_seen"], "peak": peak(), "device_peak": device_peak,
-                            "losses": [r["loss"] for r in steps]}))
+                            "losses": [r["loss"] for r in steps], "step_seconds": [r["step_seconds"] for r in steps]}))
 """
 )
 
+# name -> (script, what the route adds to the shared settings)
 ROUTES = {
-    "lora-tune train (defaults)": LORA_TUNE,
-    "HF Trainer + PEFT (padded)": HF_TRAINER,
-    "TRL SFTTrainer (packing, padding-free)": TRL_SFT,
+    "lora-tune train (defaults)": (LORA_TUNE, {}),
+    "lora-tune train --compile": (LORA_TUNE, {"compile": True}),
+    # On a GPU auto keeps the activations of the layers that fit; these checkpoint every layer (on a
+    # CPU, with no device budget, auto already does).
+    "lora-tune train --gradient-checkpointing on": (LORA_TUNE, {"checkpointing": "on"}),
+    "lora-tune train --compile --gradient-checkpointing on": (LORA_TUNE, {"compile": True, "checkpointing": "on"}),
+    "HF Trainer + PEFT (padded)": (HF_TRAINER, {}),
+    "TRL SFTTrainer (packing, padding-free)": (TRL_SFT, {}),
 }
 
 WORDS = (
@@ -254,31 +278,22 @@ def flops_per_token(config: dict, seq: int) -> float:
     return 3 * (2 * n + attention)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--samples", type=int, default=128)
-    parser.add_argument("--equal-length", action="store_true")
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model and 16 samples (for the test suite)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape (default: cpu; tiny with --tiny)")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "4bit"], default="fp32")
-    parser.add_argument("--seq", type=int, default=None, help="--max-seq-len (default 1024; 256 with --tiny)")
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop every route after this many optimizer steps")
-    parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
-    parser.add_argument("--json", default=None, help="append the results to this JSON-lines file")
-    args = parser.parse_args()
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+
+
+def run_case(args, equal_length: bool, work: Path) -> dict:
+    """One data case, every route on it, its table and ratios printed; returns the results."""
     from lora_tune.config import TrainConfig
     from lora_tune.planner import architecture
     from lora_tune.planner import memory as plan
 
     shape = args.shape or ("tiny" if args.tiny else "cpu")
     seq = args.seq or (256 if args.tiny else 1024)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="train-vs-peers-"))
-    work.mkdir(parents=True, exist_ok=True)
-    n = 16 if args.tiny else (64 if args.equal_length and args.samples == 128 else args.samples)
-    rows = long_tail_rows(n, seed=0, equal_length=args.equal_length)
-    data = work / ("equal.jsonl" if args.equal_length else "long_tail.jsonl")
+    n = 16 if args.tiny else (64 if equal_length and args.samples == 128 else args.samples)
+    rows = long_tail_rows(n, seed=0, equal_length=equal_length)
+    data = work / ("equal.jsonl" if equal_length else "long_tail.jsonl")
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = build_model(work / f"model-{shape}", shape, [" ".join(r.values()) for r in rows])
     cfg = {
@@ -291,14 +306,16 @@ def main() -> None:
     }
     results = {}
     for name in args.routes:
-        out = work / name.split()[0].replace("-", "_")
+        if ROUTES[name][1].get("compile") and args.precision == "4bit":
+            print(f"{name}: left out at 4-bit (bitsandbytes' layers don't compile; lora-tune refuses the combination)")
+            continue
+        out = work / (("equal-" if equal_length else "long-tail-") + "".join(c if c.isalnum() else "_" for c in name))
         if out.exists():
-            import shutil
-
             shutil.rmtree(out)
-        results[name] = run_route(ROUTES[name], base, data, cfg, out)
+        script, extra = ROUTES[name]
+        results[name] = run_route(script, base, data, {**cfg, **extra}, out)
     print(
-        f"{n} {'equal-length' if args.equal_length else 'long-tail'} alpaca samples, Llama-shaped ({shape}) {args.precision} "
+        f"{n} {'equal-length' if equal_length else 'long-tail'} alpaca samples, Llama-shaped ({shape}) {args.precision} "
         "model, LoRA r16 "
         f"all-linear, dropout {cfg['dropout']}, checkpointing, micro-batch {cfg['micro_batch_size']} x {seq} tokens; "
         + (f"{args.max_steps} steps" if args.max_steps else "one epoch")
@@ -309,48 +326,77 @@ def main() -> None:
         plan.Setup(precision=args.precision, rank=16, micro_batch_size=args.micro_batch, max_seq_len=seq, optim="adamw_8bit"),
     )
     on_gpu = any(r.get("device_peak") for r in results.values())
-    print("| route | wall s | real tokens/s (training) | peak RSS MiB | final loss |" + (" peak GPU GiB | MFU |" if on_gpu else ""))
-    print("|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))
+    print(
+        "| route | wall s | real tokens/s (training) | first step s | median step s | peak RSS MiB | final loss |"
+        + (" peak GPU GiB | MFU |" if on_gpu else "")
+    )
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if on_gpu else ""))
     for name, r in results.items():
         final = sum(r["losses"][-5:]) / len(r["losses"][-5:])
-        line = f"| {name} | {r['wall']:.1f} | {r['tokens'] / r['train_seconds']:,.0f} | {r['peak'] / 2**20:,.0f} | {final:.4f} |"
+        line = (
+            f"| {name} | {r['wall']:.1f} | {r['tokens'] / r['train_seconds']:,.0f} | {r['step_seconds'][0]:.2f} | "
+            f"{median(r['step_seconds'][1:] or r['step_seconds']):.2f} | {r['peak'] / 2**20:,.0f} | {final:.4f} |"
+        )
         if on_gpu:
             mfu = r["tokens"] / r["train_seconds"] * flops_per_token(config, seq) / 989e12  # H100/H200 dense bf16 peak
             line += f" {r['device_peak'] / 2**30:.2f} | {100 * mfu:.1f}% |"
         print(line)
-    ours = results.get("lora-tune train (defaults)")
     print()
-    if ours is not None:
+    # Per step: the median optimizer step after the first (which pays compilation); with equal-length
+    # samples every route's step holds the same samples, so it is the per-step speed ratio.
+    for ours_name in [name for name in results if name.startswith("lora-tune")]:
+        ours = results[ours_name]
         for name, r in results.items():
-            if r is ours:
+            if name.startswith("lora-tune"):
                 continue
+            per_step = median(r["step_seconds"][1:] or r["step_seconds"]) / median(ours["step_seconds"][1:] or ours["step_seconds"])
             print(
-                f"vs {name}: speed {r['train_seconds'] / ours['train_seconds']:.2f}x (training), "
-                f"{r['wall'] / ours['wall']:.2f}x (whole process); "
-                f"peak RSS {ours['peak'] / r['peak']:.2f}x"
+                f"{ours_name} vs {name}: speed {r['train_seconds'] / ours['train_seconds']:.2f}x (training), "
+                f"{r['wall'] / ours['wall']:.2f}x (whole process)"
+                + (f", {per_step:.2f}x per step (median)" if equal_length else "")
+                + f"; peak RSS {ours['peak'] / r['peak']:.2f}x"
                 + (f"; peak GPU memory {ours['device_peak'] / r['device_peak']:.2f}x" if on_gpu else "")
             )
-        if on_gpu:
-            planned = estimate.per_device["total_bytes"] - plan.CUDA_CONTEXT
-            print(
-                f"plan vs measured (lora-tune): planned {planned / 2**30:.2f} GiB, measured {ours['device_peak'] / 2**30:.2f} GiB, "
-                f"ratio {planned / ours['device_peak']:.2f}"
-            )
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "shape": shape,
-                        "precision": args.precision,
-                        "seq": seq,
-                        "micro_batch": args.micro_batch,
-                        "results": results,
-                        "plan_total_bytes": estimate.per_device["total_bytes"],
-                    }
-                )
-                + "\n"
-            )
+    ours = results.get("lora-tune train (defaults)")
+    if ours is not None and on_gpu:
+        planned = estimate.per_device["total_bytes"] - plan.CUDA_CONTEXT
+        print(
+            f"plan vs measured (lora-tune): planned {planned / 2**30:.2f} GiB, measured {ours['device_peak'] / 2**30:.2f} GiB, "
+            f"ratio {planned / ours['device_peak']:.2f}"
+        )
+    print()
+    return {
+        "case": "equal-length" if equal_length else "long-tail",
+        "shape": shape,
+        "precision": args.precision,
+        "seq": seq,
+        "micro_batch": args.micro_batch,
+        "results": results,
+        "plan_total_bytes": estimate.per_device["total_bytes"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=128, help="long-tail samples (the equal-length case has 64 of ~930 tokens)")
+    parser.add_argument("--cases", nargs="+", choices=["long-tail", "equal-length"], default=["long-tail", "equal-length"])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model and 16 samples (for the test suite)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default=None, help="model shape (default: cpu; tiny with --tiny)")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "4bit"], default="fp32")
+    parser.add_argument("--seq", type=int, default=None, help="--max-seq-len (default 1024; 256 with --tiny)")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop every route after this many optimizer steps")
+    parser.add_argument("--routes", nargs="+", default=[r for r in ROUTES if "gradient-checkpointing" not in r], choices=list(ROUTES))
+    parser.add_argument("--json", default=None, help="append the results to this JSON-lines file")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="train-vs-peers-"))
+    work.mkdir(parents=True, exist_ok=True)
+    for case in args.cases:
+        summary = run_case(args, case == "equal-length", work)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

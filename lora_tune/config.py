@@ -177,6 +177,13 @@ class TrainConfig(BaseModel):
         description="With checkpointing, keep the checkpointed layer inputs in pinned host memory instead of on the GPU (CUDA "
         "only; slower steps, less GPU memory at long sequences).",
     )
+    compile: bool = Field(
+        False,
+        json_schema_extra=FREE,
+        description="Compile each decoder layer with torch.compile (regional: one graph serves every layer; dynamic shapes, "
+        "so packed batches of any width reuse it) for fused kernels. The first steps pay the compile time (logged), later runs "
+        "of the same setup hit PyTorch's on-disk cache. Off by default: see the README for where it pays.",
+    )
     loss_chunk_size: int | None = Field(
         None,
         ge=0,

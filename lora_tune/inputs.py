@@ -20,8 +20,8 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from lora_tune import checkpoint as ckpt
+from lora_tune import compilation, engines, evaluation, objectives, planner, serving, shards
 from lora_tune import distributed as dist
-from lora_tune import engines, evaluation, objectives, planner, serving, shards
 from lora_tune.adapter import Checkpointing, Inventory, Targets, check_loads_back, peft_exact_targets, resolve_targets
 from lora_tune.aliases import resolve_base
 from lora_tune.batching import MicroBatches
@@ -320,8 +320,12 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
         raise UserError("--activation-offload moves the inputs that gradient checkpointing keeps: it needs --gradient-checkpointing")
     if cfg.activation_offload and device.type != "cuda":
         raise UserError(f"--activation-offload needs a CUDA GPU (on {device} the activations already live in host memory); leave it out")
+    reason = compilation.toolchain_refusal(device) if cfg.compile else None
+    if reason:
+        raise UserError(f"--compile: {reason}")
     chunks = "full logits" if chunk == 0 else f"chunked ({chunk or 'auto'} tokens per chunk)"
-    log.info("attention: %s; packing %s; loss %s", attention, "on" if packing else "off", chunks)
+    compiled = "; decoder layers compiled (regional torch.compile)" if cfg.compile else ""
+    log.info("attention: %s; packing %s; loss %s%s", attention, "on" if packing else "off", chunks, compiled)
     return SpeedLevers(packing, chunk, attention)
 
 

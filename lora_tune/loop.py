@@ -21,6 +21,7 @@ from lora_tune import distributed as dist
 from lora_tune import evaluation
 from lora_tune.adapter import save_adapter
 from lora_tune.batching import collate, pack_best_fit_decreasing
+from lora_tune.compilation import CompileStats
 from lora_tune.engines import Engine
 from lora_tune.errors import TrainingStopped
 from lora_tune.inputs import RunInputs, math_config
@@ -66,6 +67,8 @@ class TrainingLoop:
         self.progress: Progress | None = None
         self.last_eval_step: int | None = None
         self.stepped = False  # this process has done a step (memory is reported after the first)
+        # --compile: the layers compile lazily, in the first forward; counted from here.
+        self.compile_stats = CompileStats() if inputs.cfg.compile else None
 
     # --- batches ---------------------------------------------------------------------------------
     def step_batches(self, step: int) -> list:
@@ -163,6 +166,8 @@ class TrainingLoop:
         try:
             while self.state.step < self.inputs.total_steps:
                 self._one_step()
+            if self.compile_stats and dist.is_main():  # a count above the first step's is a recompile
+                log.info("over the run: %s", self.compile_stats.line())
         finally:
             if self.progress:
                 self.progress.close()
@@ -188,6 +193,8 @@ class TrainingLoop:
         if not self.stepped:  # the first step is when layers build their lasting state (bitsandbytes does)
             self.report_memory(f"after step {state.step}")
             self.stepped = True
+            if self.compile_stats and dist.is_main():
+                log.info("step %d: %s", state.step, self.compile_stats.line())
         objective_metrics = self._objective_metrics()  # every rank, every step: the sums are collective
         step_tokens = int(dist.all_sum(sum(b.tokens for b in batches)))  # the job's, not this rank's
         state.tokens_seen += step_tokens

@@ -15,9 +15,10 @@ from pathlib import Path
 import yaml
 
 from lora_tune import checkpoint as ckpt
+from lora_tune import compilation, engines
 from lora_tune import distributed as dist
-from lora_tune import engines
 from lora_tune.adapter import add_lora
+from lora_tune.compilation import compile_layers
 from lora_tune.config import TrainConfig
 from lora_tune.inputs import check_inputs
 from lora_tune.loop import TrainingLoop
@@ -45,6 +46,8 @@ class Recipe:
 
         def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
             peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing)
+            if cfg.compile:  # after the adapter is in: LoRA's layers are part of each compiled layer
+                compile_layers(peft_model.get_base_model())
             return inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
 
         model = engine.load(inputs.base_path, loss_module)
@@ -94,8 +97,9 @@ def run(cfg: TrainConfig, on_metrics=None) -> None:
     """setup -> train -> save -> cleanup. `on_metrics`: called with each metrics record (rank 0)."""
     recipe = Recipe(cfg, on_metrics)
     try:
-        recipe.setup()
-        recipe.train()
-        recipe.save()
+        with compilation.settings(cfg.compile):
+            recipe.setup()
+            recipe.train()
+            recipe.save()
     finally:
         recipe.cleanup()

@@ -17,8 +17,11 @@ def test_gpu_bench_runs_every_route_on_a_tiny_shape(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     runs = [json.loads(line) for line in (tmp_path / "gpu_bench.jsonl").read_text().splitlines()]
     assert [(r["precision"], r["seq"]) for r in runs] == [("bf16", 1024), ("4bit", 1024)]
-    for run in runs:
-        assert set(run["results"]) == {"lora-tune train (defaults)", "HF Trainer + PEFT (padded)", "TRL SFTTrainer (packing, padding-free)"}
+    lora_tune_routes = {"lora-tune train (defaults)", "lora-tune train --gradient-checkpointing on"}
+    compiled = {"lora-tune train --compile", "lora-tune train --compile --gradient-checkpointing on"}
+    peers = {"HF Trainer + PEFT (padded)", "TRL SFTTrainer (packing, padding-free)"}
+    for run in runs:  # bitsandbytes' 4-bit layers don't compile: those routes are left out there
+        assert set(run["results"]) == lora_tune_routes | peers | (compiled if run["precision"] == "bf16" else set())
         for result in run["results"].values():
             assert result["tokens"] > 0 and result["train_seconds"] > 0 and result["losses"]
     table = (tmp_path / "gpu_bench.md").read_text()

@@ -296,6 +296,11 @@ BAD_INPUT = {
         lambda c: c.train(c.pairs, objective="dpo", init_adapter=c.adapter(rank=4), reference="per-step"),
         "--reference per-step disables the adapter",
     ),
+    "compile with a 4-bit base": (
+        lambda c: c.train(precision="4bit", compile=True),
+        "--compile: bitsandbytes' 4bit layers don't compile (Inductor can't trace their kernels); use --precision bf16",
+    ),
+    "compile under fsdp": (lambda c: c.train(backend="fsdp", compile=True), "--compile: the fsdp backend's sharding hooks run inside"),
     "several processes on one device": (
         lambda c: c.train(nproc=2, backend="single"),
         "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",

@@ -22,6 +22,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
+from lora_tune import compilation
 from lora_tune import distributed as dist
 from lora_tune.batching import MicroBatch
 from lora_tune.engines import deepspeed, fsdp, single
@@ -203,6 +204,9 @@ def check_compatibility(cfg, paths: bool = True) -> None:
     reason = cell.refusal()
     if reason:
         raise UserError(f"{cell.flags()}: {reason}")
+    reason = compilation.refusal(cfg.precision, spec.compiles, spec.name) if cfg.compile else None
+    if reason:
+        raise UserError(f"--compile: {reason}")
     for other in BACKENDS.values():
         for option in other.options:
             if other is not spec and getattr(cfg, option, None):

@@ -1,0 +1,131 @@
+"""`--compile`: regional torch.compile of the decoder layers and of the loss's chunk.
+
+Regional, the way torchtune compiles: each decoder layer is compiled on its own (`Module.compile`),
+not the whole model. The layers of a model run the same code, and Dynamo treats their parameters as
+inputs, so one graph serves every layer: compile time is paid for one layer, whatever the depth.
+LoRA's layers are inside the region (peft wraps the layer's linears before it is compiled), and so
+is transformers' gradient checkpointing: Dynamo captures `torch.utils.checkpoint` as a higher-order
+op and recomputes the compiled region in backward.
+
+Shapes: packed micro-batches change width from one to the next, so the regions are compiled with
+dynamic shapes from the start (`dynamic=True`) instead of once per width. PyTorch specialises sizes
+0 and 1, so a micro-batch of a single row gets a graph of its own: at most two graphs per region
+over a run, whatever the number of batches. transformers passes attention a mask when a micro-batch
+packs several samples into a row and none when every row holds one sample, which doubles that: at
+most four graphs over a run, never one per batch (`CompileStats` counts them; the log says how many).
+
+The compiled artifacts go to PyTorch's own on-disk caches (Inductor's FX graph cache and
+AOTAutograd's cache, on by default): a second run of the same model and setup finds them and starts
+in seconds; the log says hits and misses.
+
+What does not compile is refused before loading: bitsandbytes' 8/4-bit layers (their kernels are
+opaque to Inductor), backends whose sharding hooks run inside the layers (DeepSpeed's parameter
+hooks, FSDP2's), and a machine without the compiler Inductor generates code with (a C++ compiler on
+CPU, Triton on a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+
+import torch
+from torch._dynamo.utils import compilation_time_metrics, counters
+from torch.utils._triton import has_triton
+from transformers import PreTrainedModel
+
+from lora_tune.model_structure import decoder_body
+
+# Dynamo's name for the time it spends compiling a frame: tracing, then Inductor's forward and
+# backward graphs (AOTAutograd compiles the backward with the forward).
+_COMPILE_TIME = "_compile.compile_inner"
+
+
+def refusal(precision: str, backend_compiles: bool, backend: str) -> str | None:
+    """Why `--compile` can't run this configuration, or None (from the configuration alone)."""
+    if precision in ("8bit", "4bit"):
+        return f"bitsandbytes' {precision} layers don't compile (Inductor can't trace their kernels); use --precision bf16 or leave it out"
+    if not backend_compiles:
+        return f"the {backend} backend's sharding hooks run inside the layers and break the compiled regions; leave it out"
+    return None
+
+
+def toolchain_refusal(device: torch.device) -> str | None:
+    """Why Inductor can't generate code on this machine, or None."""
+    if device.type == "cuda":
+        if not has_triton():
+            return "Inductor needs Triton on a GPU and it is not installed; pip install triton, or leave it out"
+    elif device.type == "cpu":
+        if not shutil.which(os.environ.get("CXX", "c++")):
+            return "Inductor needs a C++ compiler on a CPU (none found on PATH); install g++, or leave it out"
+    else:
+        return f"regional compilation is verified on CPU and CUDA only, not {device.type}; leave it out"
+    return None
+
+
+@contextlib.contextmanager
+def settings(enabled: bool):
+    """The Dynamo settings a compiled run needs, for the run only (a notebook's process keeps its own).
+
+    transformers' `kernels` integration sets a context variable around attention's forward; inside a
+    checkpointed region Dynamo refuses a side effect it would have to replay in the recompute. It is
+    set and reset within the same forward, so not replaying it in backward changes nothing.
+    """
+    if not enabled:
+        yield
+        return
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+        yield
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of the decoder body: the elements of its outermost ModuleLists (not
+    the experts listed inside a block, nor a sub-model's own layers)."""
+
+    def walk(module):
+        for child in module.children():
+            if isinstance(child, torch.nn.ModuleList):
+                yield from child
+            elif not isinstance(child, PreTrainedModel):
+                yield from walk(child)
+
+    return list(walk(decoder_body(model)))
+
+
+def compile_layers(model) -> int:
+    """Compile each decoder layer of `model` (a transformers model, LoRA already injected) in place;
+    lazily: a layer's first forward compiles it. Returns how many."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
+class CompileStats:
+    """What Dynamo and Inductor did since this object was made: graphs compiled, seconds spent
+    compiling, on-disk cache hits and misses. Read from PyTorch's own counters."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now() -> dict[str, float]:
+        seconds = sum(compilation_time_metrics.get(_COMPILE_TIME, ()))
+        return {
+            "graphs": counters["stats"]["unique_graphs"],
+            "seconds": seconds,
+            "cache_hits": counters["inductor"]["fxgraph_cache_hit"],
+            "cache_misses": counters["inductor"]["fxgraph_cache_miss"],
+        }
+
+    def since_start(self) -> dict[str, float]:
+        now = self._now()
+        return {k: now[k] - self.start[k] for k in now}
+
+    def line(self) -> str:
+        s = self.since_start()
+        return (
+            f"compiled {s['graphs']:.0f} graph(s) in {s['seconds']:.1f} s "
+            f"(Inductor cache: {s['cache_hits']:.0f} hit(s), {s['cache_misses']:.0f} miss(es))"
+        )
