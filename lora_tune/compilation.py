@@ -1,4 +1,4 @@
-"""`--compile`: regional torch.compile of the decoder layers and of the loss's chunk.
+"""`--compile`: regional torch.compile of the decoder layers and of the chunked loss's per-chunk step.
 
 Regional, the way torchtune compiles: each decoder layer is compiled on its own (`Module.compile`),
 not the whole model. The layers of a model run the same code, and Dynamo treats their parameters as
@@ -12,7 +12,8 @@ dynamic shapes from the start (`dynamic=True`) instead of once per width. PyTorc
 0 and 1, so a micro-batch of a single row gets a graph of its own: at most two graphs per region
 over a run, whatever the number of batches. transformers passes attention a mask when a micro-batch
 packs several samples into a row and none when every row holds one sample, which doubles that: at
-most four graphs over a run, never one per batch (`CompileStats` counts them; the log says how many).
+most four graphs for the layers over a run, and two for the loss's chunk (a chunk of one position
+is specialised too), never one per batch (`CompileStats` counts them; the log says how many).
 
 The compiled artifacts go to PyTorch's own on-disk caches (Inductor's FX graph cache and
 AOTAutograd's cache, on by default): a second run of the same model and setup finds them and starts
@@ -35,6 +36,7 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.utils._triton import has_triton
 from transformers import PreTrainedModel
 
+from lora_tune.loss import CausalLMLoss, cross_entropy_chunk
 from lora_tune.model_structure import decoder_body
 
 # Dynamo's name for the time it spends compiling a frame: tracing, then Inductor's forward and
@@ -91,6 +93,15 @@ def decoder_layers(model) -> list[torch.nn.Module]:
                 yield from walk(child)
 
     return list(walk(decoder_body(model)))
+
+
+def compile_regions(loss_module) -> None:
+    """`--compile`: the decoder layers of the model inside `loss_module` (what an engine trains), and
+    the chunked cross-entropy's per-chunk function (its softmax passes fused; the chunks' sizes
+    vary, so dynamic as well). The preference objectives' log-probabilities stay eager."""
+    compile_layers(loss_module.get_base_model())
+    if isinstance(loss_module, CausalLMLoss) and loss_module.chunk_size != 0:
+        loss_module.chunk_fn = torch.compile(cross_entropy_chunk, dynamic=True)
 
 
 def compile_layers(model) -> int:

@@ -25,28 +25,37 @@ from lora_tune.model_structure import decoder_body
 IGNORE = -100  # the label of a position with no loss (prompt, padding): PyTorch's and transformers' convention
 
 
+def cross_entropy_chunk(h, t, weight, bias, softcap: float | None, keep_grad: bool):
+    """One chunk of label positions: (summed cross-entropy, its gradient with respect to `h` or None).
+    `--compile` compiles this function (Inductor fuses the softmax's passes over the chunk's logits)."""
+    logits = (h @ weight.t() if bias is None else h @ weight.t() + bias).float()
+    if softcap:  # Gemma-2 style: cap * tanh(logits / cap)
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    lse = torch.logsumexp(logits, dim=-1)
+    total = (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()
+    if not keep_grad:
+        return total, None
+    grad = torch.exp(logits - lse.unsqueeze(1))  # softmax
+    grad.scatter_add_(1, t.unsqueeze(1), grad.new_full((t.numel(), 1), -1.0))
+    if softcap:
+        grad *= 1.0 - capped * capped
+    return total, (grad.to(weight.dtype) @ weight).to(h.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, divisor: float, chunk_size: int, softcap: float | None):
+    def forward(ctx, hidden, weight, bias, targets, divisor: float, chunk_size: int, softcap: float | None, chunk_fn):
         keep_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.zeros_like(hidden) if keep_grad else None
         total = hidden.new_zeros((), dtype=torch.float32)
         positions = (targets != IGNORE).nonzero().squeeze(1)  # masked positions never reach the head
         for start in range(0, positions.numel(), chunk_size):
             idx = positions[start : start + chunk_size]
-            h, t = hidden.index_select(0, idx), targets.index_select(0, idx)
-            logits = (h @ weight.t() if bias is None else h @ weight.t() + bias).float()
-            if softcap:  # Gemma-2 style: cap * tanh(logits / cap)
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
-            lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, t.unsqueeze(1)).squeeze(1)).sum()
+            loss, grad = chunk_fn(hidden.index_select(0, idx), targets.index_select(0, idx), weight, bias, softcap, keep_grad)
+            total += loss
             if keep_grad:
-                grad = torch.exp(logits - lse.unsqueeze(1))  # softmax
-                grad.scatter_add_(1, t.unsqueeze(1), grad.new_full((t.numel(), 1), -1.0))
-                if softcap:
-                    grad *= 1.0 - capped * capped
-                grad_hidden.index_copy_(0, idx, (grad.to(weight.dtype) @ weight).to(hidden.dtype))
+                grad_hidden.index_copy_(0, idx, grad)
         if keep_grad:
             ctx.save_for_backward(grad_hidden)
             ctx.divisor = divisor
@@ -55,7 +64,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * (grad_output / ctx.divisor).to(grad_hidden.dtype), None, None, None, None, None, None
+        return grad_hidden * (grad_output / ctx.divisor).to(grad_hidden.dtype), None, None, None, None, None, None, None
 
 
 class _SequenceLogProbs(torch.autograd.Function):
@@ -119,11 +128,12 @@ def linear_cross_entropy(
     chunk_size: int,
     softcap: float | None = None,
     bias: torch.Tensor | None = None,
+    chunk_fn=cross_entropy_chunk,
 ) -> torch.Tensor:
     """sum over label tokens of -log softmax(hidden @ weight.T + bias)[target] / divisor, computed
     `chunk_size` tokens at a time. `hidden` is [tokens, hidden], `targets` [tokens] with IGNORE for
-    no label."""
-    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, float(divisor), chunk_size, softcap)
+    no label. `chunk_fn`: `cross_entropy_chunk`, or a compiled version of it."""
+    return _LinearCrossEntropy.apply(hidden, weight, bias, targets, float(divisor), chunk_size, softcap, chunk_fn)
 
 
 # Config attributes of logit transforms the chunked loss reproduces, and of those it does not.
@@ -158,6 +168,7 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.peft_model = peft_model
         self.chunk_size = chunk_size
+        self.chunk_fn = cross_entropy_chunk  # --compile: compiled (lora_tune.compilation)
         config = peft_model.get_base_model().config.get_text_config(decoder=True)
         self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
 
@@ -175,7 +186,9 @@ class CausalLMLoss(torch.nn.Module):
             ).loss
         hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids)
         head = self.peft_model.get_base_model().get_output_embeddings()
-        return linear_cross_entropy(hidden, head.weight, targets, num_items_in_batch, self.chunk(hidden, head), self.softcap, head.bias)
+        return linear_cross_entropy(
+            hidden, head.weight, targets, num_items_in_batch, self.chunk(hidden, head), self.softcap, head.bias, self.chunk_fn
+        )
 
     def chunk(self, hidden: torch.Tensor, head) -> int:
         return self.chunk_size or auto_chunk_size(hidden.shape[0], hidden.shape[1], head.weight.shape[0])

@@ -18,7 +18,7 @@ from lora_tune import checkpoint as ckpt
 from lora_tune import compilation, engines
 from lora_tune import distributed as dist
 from lora_tune.adapter import add_lora
-from lora_tune.compilation import compile_layers
+from lora_tune.compilation import compile_regions
 from lora_tune.config import TrainConfig
 from lora_tune.inputs import check_inputs
 from lora_tune.loop import TrainingLoop
@@ -46,9 +46,10 @@ class Recipe:
 
         def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
             peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing)
+            loss = inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
             if cfg.compile:  # after the adapter is in: LoRA's layers are part of each compiled layer
-                compile_layers(peft_model.get_base_model())
-            return inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
+                compile_regions(loss)
+            return loss
 
         model = engine.load(inputs.base_path, loss_module)
         if inputs.resume_from:
