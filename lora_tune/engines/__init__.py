@@ -246,4 +246,9 @@ def matrix_markdown() -> str:
                 cells = ["✓" if r is None else f"no ({reasons.index(r) + 1})" for r in row]
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
     notes = [f"{i}. {reason}" for i, reason in enumerate(reasons, start=1)]
-    return "\n".join(lines + [""] + notes + ["", "Not offered:"] + not_offered)
+    compiles = [s.name for s in BACKENDS.values() if s.compiles]
+    others = [s.name for s in BACKENDS.values() if not s.compiles]
+    compile_note = f"`--compile` (bf16, fp16, fp32): backend {', '.join(compiles)}" + (
+        f"; refused under {', '.join(others)}" if others else ""
+    )
+    return "\n".join(lines + [""] + notes + ["", "Not offered:"] + not_offered + ["", compile_note])
