@@ -14,6 +14,8 @@ over a run, whatever the number of batches. transformers passes attention a mask
 packs several samples into a row and none when every row holds one sample, which doubles that: at
 most four graphs for the layers over a run, and two for the loss's chunk (a chunk of one position
 is specialised too), never one per batch (`CompileStats` counts them; the log says how many).
+Evaluation (no gradients) has graphs of its own, bounded alike; sample generations run eagerly
+(decoding with a KV cache would recompile at every step).
 
 The compiled artifacts go to PyTorch's own on-disk caches (Inductor's FX graph cache and
 AOTAutograd's cache, on by default): a second run of the same model and setup finds them and starts

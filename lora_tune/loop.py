@@ -318,7 +318,10 @@ class TrainingLoop:
             lines.append(f"eval tasks at step {self.state.step}: {shown}")
         if self.inputs.eval_prompts:
             tokenizer = self.inputs.tokenizer
-            completions = self.engine.generate(self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)
+            # Decoding token by token with a KV cache changes the cache's state at every layer and step:
+            # compiled layers (--compile) would recompile for each; generation runs them eagerly.
+            with torch.compiler.set_stance("force_eager"):
+                completions = self.engine.generate(self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)
             samples = [
                 {"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": tokenizer.decode(c, skip_special_tokens=True)}
                 for p, c in zip(self.inputs.eval_prompts, completions)
