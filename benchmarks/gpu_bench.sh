@@ -2,7 +2,7 @@
 # One GPU, random weights, no downloads: Llama-3-8B-shaped bf16 LoRA r16 and 4-bit QLoRA at 2,048 and
 # 8,192 tokens, lora-tune (eager and --compile, auto and full checkpointing) vs TRL (packing) vs HF Trainer + PEFT: tokens/s, MFU, peak
 # max_memory_allocated, and the plan vs what lora-tune measured. Results: benchmarks/results/gpu_bench.md
-# (and .jsonl). Finishes within 8 minutes on one H200 (8 steps per route).
+# (and .jsonl). An estimated 13 minutes on one H200 (8 steps per route, 20 route runs).
 #
 #   bash benchmarks/gpu_bench.sh            # on a GPU
 #   GPU_BENCH_TINY=1 bash benchmarks/gpu_bench.sh   # the same script on a tiny shape (the test suite, on CPU)
