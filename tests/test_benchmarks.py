@@ -11,6 +11,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def run_tiny(script: str, workdir: Path) -> subprocess.CompletedProcess:
+    """A benchmark script on its tiny shape, in a fresh interpreter; it must succeed."""
+    argv = [sys.executable, f"benchmarks/{script}", "--tiny", "--workdir", str(workdir)]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    return proc
+
+
 def test_gpu_bench_runs_every_route_on_a_tiny_shape(tmp_path):
     env = {**os.environ, "GPU_BENCH_TINY": "1", "GPU_BENCH_OUT": str(tmp_path / "gpu_bench"), "GPU_BENCH_WORK": str(tmp_path / "work")}
     proc = subprocess.run(["bash", "benchmarks/gpu_bench.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
@@ -29,14 +37,7 @@ def test_gpu_bench_runs_every_route_on_a_tiny_shape(tmp_path):
 
 
 def test_dpo_vs_trl_runs_every_route_on_a_tiny_shape(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/dpo_vs_trl.py", "--tiny", "--workdir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    proc = run_tiny("dpo_vs_trl.py", tmp_path)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
     assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [
         "lora-tune train --objective dpo",
@@ -51,27 +52,13 @@ def test_dpo_vs_trl_runs_every_route_on_a_tiny_shape(tmp_path):
 
 
 def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/checkpointing_budget.py", "--tiny", "--workdir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    proc = run_tiny("checkpointing_budget.py", tmp_path)
     assert "gradient checkpointing (auto): 2 of 4 decoder layers recomputed" in proc.stdout
     assert "same losses on every route: True" in proc.stdout and "planned 12.5%" in proc.stdout
 
 
 def test_compile_check_reports_cold_and_warm_compiles_and_eager_equal_losses(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/compile_check.py", "--tiny", "--workdir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    proc = run_tiny("compile_check.py", tmp_path)
     rows = {row.split(" | ")[0].removeprefix("| "): row.split(" | ") for row in proc.stdout.splitlines() if row.startswith("| ")}
     assert set(rows) == {"route", "eager", "compiled, cold cache", "compiled, warm cache"}
     cold, warm = rows["compiled, cold cache"], rows["compiled, warm cache"]
