@@ -21,10 +21,11 @@ The compiled artifacts go to PyTorch's own on-disk caches (Inductor's FX graph c
 AOTAutograd's cache, on by default): a second run of the same model and setup finds them and starts
 in seconds; the log says hits and misses.
 
-What does not compile is refused before loading: bitsandbytes' 8/4-bit layers (their kernels are
-opaque to Inductor), backends whose sharding hooks run inside the layers (DeepSpeed's parameter
-hooks, FSDP2's), and a machine without the compiler Inductor generates code with (a C++ compiler on
-CPU, Triton on a GPU).
+Engines: one device, FSDP2 (its hooks stay outside the compiled layer: Dynamo skips them) and
+ZeRO-1/2 (plain parameters) are verified compiled == eager on 2 ranks. What does not compile is
+refused before loading: bitsandbytes' 8/4-bit layers (their kernels are opaque to Inductor), ZeRO-3
+(its parameter hooks inside the layers split them into many graphs, slower than eager), and a machine without the compiler Inductor
+generates code with (a C++ compiler on CPU, Triton on a GPU).
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ _COMPILE_TIME = "_compile.compile_inner"
 
 
 def refusal(precision: str, backend_compiles: bool, backend: str) -> str | None:
-    """Why `--compile` can't run this configuration, or None (from the configuration alone)."""
+    """Why `--compile` can't run this configuration, or None (from the configuration alone).
+    `backend`: how tables name the backend setup ("ZeRO-3")."""
     if precision in ("8bit", "4bit"):
         return f"bitsandbytes' {precision} layers don't compile (Inductor can't trace their kernels); use --precision bf16 or leave it out"
     if not backend_compiles:
-        return f"the {backend} backend's sharding hooks run inside the layers and break the compiled regions; leave it out"
+        return (
+            f"{backend} gathers its sharded weights from hooks inside the layers, which split the compiled layers into many "
+            "small graphs (slower than eager); use --zero 2 or --backend fsdp with it, or leave it out"
+        )
     return None
 
 

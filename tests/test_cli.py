@@ -300,7 +300,7 @@ BAD_INPUT = {
         lambda c: c.train(precision="4bit", compile=True),
         "--compile: bitsandbytes' 4bit layers don't compile (Inductor can't trace their kernels); use --precision bf16",
     ),
-    "compile under fsdp": (lambda c: c.train(backend="fsdp", compile=True), "--compile: the fsdp backend's sharding hooks run inside"),
+    "compile under zero-3": (lambda c: c.train(zero=3, compile=True), "--compile: ZeRO-3 gathers its sharded weights from hooks inside"),
     "several processes on one device": (
         lambda c: c.train(nproc=2, backend="single"),
         "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",

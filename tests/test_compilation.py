@@ -128,12 +128,12 @@ def test_decoder_layers_are_the_outermost_module_list(tmp_path):
     [
         ("4bit", True, "bitsandbytes' 4bit layers don't compile"),
         ("8bit", True, "bitsandbytes' 8bit layers don't compile"),
-        ("bf16", False, "the fsdp backend's sharding hooks run inside the layers"),
+        ("bf16", False, "ZeRO-3 gathers its sharded weights from hooks inside the layers"),
         ("bf16", True, None),
     ],
 )
 def test_refusals_from_the_configuration(precision, compiles, expected):
-    reason = compilation.refusal(precision, compiles, "fsdp")
+    reason = compilation.refusal(precision, compiles, "ZeRO-3")
     assert reason == expected if expected is None else expected in reason
 
 

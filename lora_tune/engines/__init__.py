@@ -204,7 +204,7 @@ def check_compatibility(cfg, paths: bool = True) -> None:
     reason = cell.refusal()
     if reason:
         raise UserError(f"{cell.flags()}: {reason}")
-    reason = compilation.refusal(cfg.precision, spec.compiles, spec.name) if cfg.compile else None
+    reason = compilation.refusal(cfg.precision, spec.compiles(cfg.zero), spec.label(cfg.zero)) if cfg.compile else None
     if reason:
         raise UserError(f"--compile: {reason}")
     for other in BACKENDS.values():
@@ -246,9 +246,8 @@ def matrix_markdown() -> str:
                 cells = ["✓" if r is None else f"no ({reasons.index(r) + 1})" for r in row]
                 lines.append(f"| {name} | " + " | ".join(cells) + " |")
     notes = [f"{i}. {reason}" for i, reason in enumerate(reasons, start=1)]
-    compiles = [s.name for s in BACKENDS.values() if s.compiles]
-    others = [s.name for s in BACKENDS.values() if not s.compiles]
-    compile_note = f"`--compile` (bf16, fp16, fp32): backend {', '.join(compiles)}" + (
-        f"; refused under {', '.join(others)}" if others else ""
-    )
+    setups = [(spec.label(stage), spec.compiles(stage)) for spec in BACKENDS.values() for stage in spec.stages]
+    compile_note = "`--compile` (bf16, fp16, fp32): " + ", ".join(label for label, ok in setups if ok)
+    refused = [label for label, ok in setups if not ok]
+    compile_note += f"; refused under {', '.join(refused)}" if refused else ""
     return "\n".join(lines + [""] + notes + ["", "Not offered:"] + not_offered + ["", compile_note])

@@ -93,7 +93,7 @@ class BackendSpec:
     slowdown: Callable[[int, str], float]  # (stage, offload) -> step-time multiplier vs one device (plan --auto)
     # What to use instead when a model can't be loaded layer by layer (checkpoints converted on load).
     layer_by_layer_alternative: str = ""
-    # --compile verified under it: its sharding hooks (if any) stay outside the compiled layers.
-    compiles: bool = False
+    # (stage) -> --compile verified under it (tests train compiled == eager on 2 ranks).
+    compiles: Callable[[int], bool] = lambda stage: False
     options: tuple[str, ...] = ()  # config fields only this backend reads (refused with another one)
     check_inputs: Callable[[object], None] | None = None  # backend-specific input checks (files), before loading

@@ -74,6 +74,8 @@ HELD_BYTES = re.compile(
 NO_PERSISTENCE = {"zero_optimization": {"stage3_param_persistence_threshold": 0}}
 
 
+# --compile on 2 ranks, against fsdp-fp32-exact's eager run of the same steps.
+COMPILED = {"fsdp-fp32-compiled": dict(backend="fsdp", compile=True), "zero2-fp32-compiled": dict(zero=2, compile=True)}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
@@ -131,6 +133,8 @@ def jobs(tiny_model, tmp_path_factory):
             tiny_model, data, root / "fsdp-fp32-exact", **{**RUN_ARGS, "grad_accum": 1}, backend="fsdp", dropout=0.0, optim="adamw"
         ),
     )
+    for name, kw in COMPILED.items():
+        add(name, fast_train_args(tiny_model, data, root / name, **{**RUN_ARGS, "grad_accum": 1}, dropout=0.0, optim="adamw", **kw))
     # A checkpoint transformers converts on load (one tensor per expert on disk, fused in the model):
     # streamed layer by layer and quantized, QLoRA on the fused experts.
     mixtral = build_family("mixtral", root / "mixtral-base")
@@ -272,6 +276,19 @@ def test_fsdp_with_several_ranks_equals_one_process_bit_for_bit(jobs, tiny_model
     a, b = adapter(out), adapter(one)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_layers_under_sharding_train_the_eager_losses(name, jobs):
+    """FSDP2's hooks stay outside the compiled layers (Dynamo skips them) and ZeRO-2's parameters are
+    plain: 2 ranks compiled train what 2 ranks eager train, step by step."""
+    out, err = run_of(jobs, name)
+    eager, _ = run_of(jobs, "fsdp-fp32-exact")
+    assert "decoder layers compiled (regional torch.compile)" in err
+    # The job's runs share 2 processes: what an earlier run compiled is not compiled again here.
+    graphs = [int(n) for n in re.findall(r"over the run: compiled (\d+) graph", err)]
+    assert len(graphs) == 1 and graphs[0] <= 6
+    assert step_losses(out) == pytest.approx(step_losses(eager), rel=1e-5) and len(step_losses(out)) == 4
 
 
 @pytest.mark.parametrize("name", list(PREFERENCE))
