@@ -8,14 +8,14 @@ is transformers' gradient checkpointing: Dynamo captures `torch.utils.checkpoint
 op and recomputes the compiled region in backward.
 
 Shapes: packed micro-batches change width from one to the next, so the regions are compiled with
-dynamic shapes from the start (`dynamic=True`) instead of once per width. PyTorch specialises sizes
-0 and 1, so a micro-batch of a single row gets a graph of its own: at most two graphs per region
-over a run, whatever the number of batches. transformers passes attention a mask when a micro-batch
-packs several samples into a row and none when every row holds one sample, which doubles that: at
-most four graphs for the layers over a run, and two for the loss's chunk (a chunk of one position
-is specialised too), never one per batch (`CompileStats` counts them; the log says how many).
-Evaluation (no gradients) has graphs of its own, bounded alike; sample generations run eagerly
-(decoding with a KV cache would recompile at every step).
+dynamic shapes from the start (`dynamic=True`) instead of once per width. Graphs still vary by kind
+of batch and pass, never by batch: PyTorch specialises sizes 0 and 1 (a micro-batch of one row, a
+loss chunk of one position); transformers passes attention a mask only when a row packs several
+samples; without checkpointing the first layer's input needs no gradient and the others' do; with
+partial checkpointing, checkpointed and kept layers differ; evaluation (no gradients) and a DPO
+reference pass (adapter off) are passes of their own. The default setup compiles 2 graphs in its
+first step and at most 6 over a run; `CompileStats` counts them and the log says how many. Sample
+generations run eagerly (decoding with a KV cache would recompile at every step).
 
 The compiled artifacts go to PyTorch's own on-disk caches (Inductor's FX graph cache and
 AOTAutograd's cache, on by default): a second run of the same model and setup finds them and starts
@@ -42,6 +42,8 @@ from transformers import PreTrainedModel
 from lora_tune.loss import CausalLMLoss, cross_entropy_chunk
 from lora_tune.model_structure import decoder_body
 
+RECOMPILE_LIMIT = 64  # graphs per code object before Dynamo falls back to eager (its default: 8)
+
 # Dynamo's name for the time it spends compiling a frame: tracing, then Inductor's forward and
 # backward graphs (AOTAutograd compiles the backward with the forward).
 _COMPILE_TIME = "_compile.compile_inner"
@@ -66,8 +68,11 @@ def toolchain_refusal(device: torch.device) -> str | None:
         if not has_triton():
             return "Inductor needs Triton on a GPU and it is not installed; pip install triton, or leave it out"
     elif device.type == "cpu":
-        if not shutil.which(os.environ.get("CXX", "c++")):
-            return "Inductor needs a C++ compiler on a CPU (none found on PATH); install g++, or leave it out"
+        # The compiler Inductor will call: $CXX, else its configured default (g++).
+        compiler = os.environ.get("CXX") or next(c for c in torch._inductor.config.cpp.cxx if c)
+        if not shutil.which(compiler.split()[0]):
+            where = f"$CXX ({compiler})" if os.environ.get("CXX") else f"{compiler} (Inductor's default; set $CXX to another)"
+            return f"Inductor needs a C++ compiler on a CPU and {where} was not found; install it, or leave --compile out"
     else:
         return f"regional compilation is verified on CPU and CUDA only, not {device.type}; leave it out"
     return None
@@ -84,7 +89,10 @@ def settings(enabled: bool):
     if not enabled:
         yield
         return
-    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+    # Every decoder layer runs one code object, whose graphs vary by kind of pass (see above): a run
+    # with evaluation and a DPO reference pass, or several runs in one notebook, outgrow Dynamo's
+    # default of 8 graphs per code object, past which it silently runs the layers eagerly.
+    with torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True, recompile_limit=RECOMPILE_LIMIT):
         yield
 
 

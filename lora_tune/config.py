@@ -180,9 +180,10 @@ class TrainConfig(BaseModel):
     compile: bool = Field(
         False,
         json_schema_extra=FREE,
-        description="Compile each decoder layer with torch.compile (regional: one graph serves every layer; dynamic shapes, "
-        "so packed batches of any width reuse it) for fused kernels. The first steps pay the compile time (logged), later runs "
-        "of the same setup hit PyTorch's on-disk cache. Off by default: see the README for where it pays.",
+        description="Compile each decoder layer and the loss's chunk step with torch.compile (regional: one graph serves every "
+        "layer; dynamic shapes, so packed batches of any width reuse it) for fused kernels. The first step pays the compile time "
+        "(logged), later runs of the same setup hit PyTorch's on-disk cache. Not with 8/4-bit bases or ZeRO-3. Off by default: "
+        "see the README for where it pays.",
     )
     loss_chunk_size: int | None = Field(
         None,

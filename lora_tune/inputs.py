@@ -324,7 +324,9 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     if reason:
         raise UserError(f"--compile: {reason}")
     chunks = "full logits" if chunk == 0 else f"chunked ({chunk or 'auto'} tokens per chunk)"
-    compiled = "; decoder layers compiled (regional torch.compile)" if cfg.compile else ""
+    compiled = ""
+    if cfg.compile:
+        compiled = "; decoder layers " + ("" if chunk == 0 else "and the loss's chunk step ") + "compiled (regional torch.compile)"
     log.info("attention: %s; packing %s; loss %s%s", attention, "on" if packing else "off", chunks, compiled)
     return SpeedLevers(packing, chunk, attention)
 

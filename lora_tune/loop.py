@@ -166,8 +166,8 @@ class TrainingLoop:
         try:
             while self.state.step < self.inputs.total_steps:
                 self._one_step()
-            if self.compile_stats and dist.is_main():  # a count above the first step's is a recompile
-                log.info("over the run: %s", self.compile_stats.line())
+            if self.compile_stats and self.progress:  # rank 0; graphs of every kind of batch and pass (lora_tune.compilation)
+                self.progress.write(f"over the run: {self.compile_stats.line()}")
         finally:
             if self.progress:
                 self.progress.close()
@@ -193,8 +193,8 @@ class TrainingLoop:
         if not self.stepped:  # the first step is when layers build their lasting state (bitsandbytes does)
             self.report_memory(f"after step {state.step}")
             self.stepped = True
-            if self.compile_stats and dist.is_main():
-                log.info("step %d: %s", state.step, self.compile_stats.line())
+            if self.compile_stats and self.progress:  # rank 0, above the progress bar
+                self.progress.write(f"step {state.step}: {self.compile_stats.line()}")
         objective_metrics = self._objective_metrics()  # every rank, every step: the sums are collective
         step_tokens = int(dist.all_sum(sum(b.tokens for b in batches)))  # the job's, not this rank's
         state.tokens_seen += step_tokens

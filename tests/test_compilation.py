@@ -5,6 +5,7 @@ one line where it can't run."""
 from __future__ import annotations
 
 import re
+import shutil
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def test_compiled_losses_equal_eager_over_20_steps_with_bounded_graphs_and_a_cac
     run_graphs, run_seconds, _, _ = reports["over the run"]
     assert first_graphs == 2 and first_seconds > 0  # the layers (one graph for both) and the loss chunk
     assert first_graphs <= run_graphs <= 6 < STEPS
-    assert "decoder layers compiled (regional torch.compile)" in err
+    assert "decoder layers and the loss's chunk step compiled (regional torch.compile)" in err
 
     # A second run of the same setup finds every graph in PyTorch's on-disk cache.
     _, again_err = results["again"]
@@ -137,9 +138,29 @@ def test_refusals_from_the_configuration(precision, compiles, expected):
     assert reason == expected if expected is None else expected in reason
 
 
-def test_no_cpp_compiler_is_refused(monkeypatch):
+def test_the_compiler_inductor_would_call_must_exist(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
-    assert "needs a C++ compiler" in compilation.toolchain_refusal(torch.device("cpu"))
+    assert "needs a C++ compiler on a CPU and $CXX (no-such-compiler-xyz) was not found" in compilation.toolchain_refusal(
+        torch.device("cpu")
+    )
     monkeypatch.delenv("CXX")
-    assert compilation.toolchain_refusal(torch.device("cpu")) is None  # this machine has one
+    assert compilation.toolchain_refusal(torch.device("cpu")) is None  # this machine has g++
+    # A machine with only `c++` on PATH: Inductor calls g++ (its default), so that is what is checked.
+    (tmp_path / "c++").symlink_to(shutil.which("c++"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "g++ (Inductor's default; set $CXX to another) was not found" in compilation.toolchain_refusal(torch.device("cpu"))
     assert "verified on CPU and CUDA only" in compilation.toolchain_refusal(torch.device("mps"))
+
+
+def test_the_run_raises_the_recompile_limit_and_restores_it():
+    """All decoder layers share one code object whose graphs vary by kind of pass: past Dynamo's
+    default limit (8) the layers would silently run eagerly, so a compiled run raises it, and only
+    for the run."""
+    default = torch._dynamo.config.recompile_limit
+    with compilation.settings(True):
+        assert torch._dynamo.config.recompile_limit == compilation.RECOMPILE_LIMIT > default
+        assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    assert torch._dynamo.config.recompile_limit == default
+    assert not torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    with compilation.settings(False):
+        assert torch._dynamo.config.recompile_limit == default

@@ -284,7 +284,7 @@ def test_compiled_layers_under_sharding_train_the_eager_losses(name, jobs):
     plain: 2 ranks compiled train what 2 ranks eager train, step by step."""
     out, err = run_of(jobs, name)
     eager, _ = run_of(jobs, "fsdp-fp32-exact")
-    assert "decoder layers compiled (regional torch.compile)" in err
+    assert "decoder layers and the loss's chunk step compiled (regional torch.compile)" in err
     # The job's runs share 2 processes: what an earlier run compiled is not compiled again here.
     graphs = [int(n) for n in re.findall(r"over the run: compiled (\d+) graph", err)]
     assert len(graphs) == 1 and graphs[0] <= 6
