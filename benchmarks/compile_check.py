@@ -20,20 +20,19 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+from commands import train_argv
 from train_vs_peers import build_model, long_tail_rows
 
 REPORT = re.compile(r"(step 1|over the run): compiled (\d+) graph\(s\) in ([\d.]+) s \(Inductor cache: (\d+) hit\(s\), (\d+) miss\(es\)\)")
 
 
 def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str], env: dict) -> dict:
-    argv = [sys.executable, "-m", "lora_tune", "train", "--base", str(base), "--data", str(data), "--output-dir", str(out)]
-    argv += ["--precision", "fp32", "--rank", "16", "--micro-batch-size", "4", "--max-seq-len", str(seq), "--max-steps", str(steps)]
-    argv += ["--epochs", "3", "--optim", "adamw", "--no-data-cache", *extra]
+    options = dict(precision="fp32", rank=16, micro_batch_size=4, max_seq_len=seq, max_steps=steps, epochs=3, optim="adamw")
+    argv = train_argv(base, data, out, "--no-data-cache", *extra, **options)
     t = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -24,8 +24,8 @@ in seconds; the log says hits and misses.
 Engines: one device, FSDP2 (its hooks stay outside the compiled layer: Dynamo skips them) and
 ZeRO-1/2 (plain parameters) are verified compiled == eager on 2 ranks. What does not compile is
 refused before loading: bitsandbytes' 8/4-bit layers (their kernels are opaque to Inductor), ZeRO-3
-(its parameter hooks inside the layers split them into many graphs, slower than eager), and a machine without the compiler Inductor
-generates code with (a C++ compiler on CPU, Triton on a GPU).
+(its parameter hooks inside the layers split them into many graphs, slower than eager), and a
+machine without the compiler Inductor generates code with (a C++ compiler on CPU, Triton on a GPU).
 """
 
 from __future__ import annotations
