@@ -171,7 +171,7 @@ ROUTES = {
     "lora-tune train (defaults)": (LORA_TUNE, {}),
     "lora-tune train --compile": (LORA_TUNE, {"compile": True}),
     # On a GPU auto keeps the activations of the layers that fit; these checkpoint every layer (on a
-    # CPU, with no device budget, auto already does).
+    # CPU, with no device budget, auto recomputes every layer but the last, which costs no more memory).
     "lora-tune train --gradient-checkpointing on": (LORA_TUNE, {"checkpointing": "on"}),
     "lora-tune train --compile --gradient-checkpointing on": (LORA_TUNE, {"compile": True, "checkpointing": "on"}),
     "HF Trainer + PEFT (padded)": (HF_TRAINER, {}),

@@ -162,7 +162,7 @@ class TrainConfig(BaseModel):
         json_schema_extra=FREE,
         description="Recompute decoder layers' activations in backward (non-reentrant) to save memory: on (every layer), off, or "
         "auto: the fewest layers such that the memory plan fits --memory-budget, the others keep their activations (on a CPU, "
-        "where there is no device budget, auto is on).",
+        "where there is no device budget: every layer but the last, which costs no more memory than recomputing it).",
     )
     memory_budget: float | None = Field(
         None,

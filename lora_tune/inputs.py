@@ -13,7 +13,7 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -353,15 +353,17 @@ def device_memory_bytes(device: torch.device) -> int:
 
 def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
     """--gradient-checkpointing auto: the fewest checkpointed layers whose plan fits the budget
-    (--memory-budget, else the GPU's memory less 10%); every layer on a CPU without a budget."""
+    (--memory-budget, else the GPU's memory less 10%). A CPU has no device budget: the fewest whose
+    plan needs no more than checkpointing every layer (the last layer keeps its activations: backward
+    reaches it first, and rebuilding it would take the same memory)."""
     if cfg.memory_budget is not None:
         budget, source = int(cfg.memory_budget * GIB), f"--memory-budget {cfg.memory_budget:g} GiB"
     elif device.type == "cuda":
         budget = int(BUDGET_SHARE * device_memory_bytes(device))
         source = f"{BUDGET_SHARE:.0%} of {device_memory_bytes(device) / GIB:.1f} GiB"
     else:
-        log.info("gradient checkpointing (auto): every layer (no device memory budget on %s; --memory-budget sets one)", device)
-        return setup
+        budget = planner.estimate(arch, replace(setup, gradient_checkpointing=True, kept_layers=0)).per_device["total_bytes"]
+        source = f"the {budget / GIB:.2f} GiB of checkpointing every layer: no device memory budget on {device}, --memory-budget sets one"
     chosen = fewest_checkpointed(arch, setup, budget)
     need = planner.estimate(arch, chosen).per_device["total_bytes"] / GIB
     recomputed = recomputed_layers(arch, chosen)

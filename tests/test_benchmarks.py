@@ -55,6 +55,8 @@ def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):
     proc = run_tiny("checkpointing_budget.py", tmp_path)
     assert "gradient checkpointing (auto): 2 of 4 decoder layers recomputed" in proc.stdout
     assert "same losses on every route: True" in proc.stdout and "planned 12.5%" in proc.stdout
+    peak_line = next(line for line in proc.stdout.splitlines() if line.startswith("auto's measured peak:"))
+    assert peak_line.endswith(": True")  # the peak of live tensor bytes, under the budget less the CUDA context
 
 
 def test_compile_check_reports_cold_and_warm_compiles_and_eager_equal_losses(tmp_path):

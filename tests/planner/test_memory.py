@@ -18,6 +18,8 @@ from lora_tune.loss import CausalLMLoss
 from lora_tune.model_loading import compute_dtype, load_base_model
 from lora_tune.planner import memory as plan
 from lora_tune.planner.architecture import load_architecture
+from lora_tune.planner.measured import cpu_tensor_peak
+from lora_tune.tiny_model import build_tiny_llama
 
 from helpers import run_cli
 
@@ -204,6 +206,39 @@ def test_a_layer_kept_out_of_checkpointing_keeps_what_the_plan_says(precision, t
         plan.estimate(arch, everything).saved_activations_bytes
         == plan.estimate(arch, replace(everything, gradient_checkpointing=True, kept_layers=2)).saved_activations_bytes
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_four_layers(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4-layers"), num_hidden_layers=4)
+
+
+def test_planned_peak_within_10_percent_of_measured_for_every_split(tiny_four_layers):
+    """The plan's peak (activations + logits) against the peak of live tensor bytes of a training
+    step, measured from the allocator's records, for 0..4 of 4 layers keeping their activations.
+    The layers kept are the last ones, which backward frees before it rebuilds a checkpointed layer:
+    keeping one costs no more than recomputing every layer, each further one adds a layer."""
+    seq, batch, layers = 256, 4, 4
+    arch = load_architecture(str(tiny_four_layers))
+    ids = torch.randint(3, 500, (batch, seq), generator=torch.Generator().manual_seed(0))
+    measured, planned = {}, {}
+    for kept in range(layers + 1):
+        checkpointing = Checkpointing(True, kept) if kept < layers else Checkpointing(False)
+        cfg = TrainConfig(base=str(tiny_four_layers), data="d", output_dir="o", precision="fp32", rank=8, dropout=0.0)
+        base = load_base_model(str(tiny_four_layers), "fp32", torch.device("cpu"))
+        model = CausalLMLoss(add_lora(base, cfg, "b", checkpointing=checkpointing), None)
+        model.train()
+        model(input_ids=ids, labels=ids, num_items_in_batch=ids.numel()).backward()  # LoRA grads exist from here on
+        with cpu_tensor_peak() as peak:
+            model(input_ids=ids, labels=ids, num_items_in_batch=ids.numel()).backward()
+        measured[kept] = peak.bytes
+        setup = plan.Setup(precision="fp32", rank=8, micro_batch_size=batch, max_seq_len=seq)
+        setup = replace(setup, gradient_checkpointing=kept < layers, kept_layers=kept % layers)
+        planned[kept] = plan.activation_bytes(arch, setup)[1] + plan.logits_bytes(arch, setup)[1]
+    for kept in measured:
+        assert planned[kept] == pytest.approx(measured[kept], rel=0.10), (kept, planned, measured)
+    assert measured[1] <= measured[0] * 1.05 and planned[1] <= planned[0]  # the last layer kept for free
+    assert measured[0] < measured[2] < measured[3] < measured[4]
 
 
 def test_checkpointing_cuts_planned_activations_for_a_70b():

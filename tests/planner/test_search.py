@@ -65,13 +65,16 @@ def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit():
     activations whose plan fits the budget; none checkpointed when all fits; all when nothing does."""
     arch = load_architecture("llama-8b")
     setup = Setup(precision="bf16", rank=16, micro_batch_size=4, max_seq_len=4096)
-    total = {kept: estimate(arch, replace(setup, kept_layers=kept)).per_device["total_bytes"] for kept in (0, 16, 17, 32)}
-    assert total[0] < total[16] < total[17] < total[32]
+    total = {kept: estimate(arch, replace(setup, kept_layers=kept)).per_device["total_bytes"] for kept in (0, 1, 16, 17, 31, 32)}
+    # The last layer keeps its activations for free: backward frees them before rebuilding a layer.
+    assert total[1] < total[0] < total[16] < total[17] < total[31] < total[32]
     half = fewest_checkpointed(arch, setup, (total[16] + total[17]) // 2)
     assert (half.gradient_checkpointing, half.kept_layers) == (True, 16)
     off = fewest_checkpointed(arch, setup, estimate(arch, replace(setup, gradient_checkpointing=False)).per_device["total_bytes"])
     assert (off.gradient_checkpointing, off.kept_layers) == (False, 0)
-    assert fewest_checkpointed(arch, setup, total[0] - 1).kept_layers == 0
+    assert fewest_checkpointed(arch, setup, total[0]).kept_layers == 1
+    assert fewest_checkpointed(arch, setup, total[1] - 1).kept_layers == 0
+    assert fewest_checkpointed(arch, setup, total[32] - 1).kept_layers == 31  # all but one recomputed: less than none
     # Keeping half the layers' activations saves half the recompute: a sixth of a fully checkpointed step.
     assert checkpointing_cost(half, arch.layers) == pytest.approx(1 + 1 / 6)
 
