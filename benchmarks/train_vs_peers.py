@@ -12,13 +12,16 @@ Each route runs in a fresh interpreter; reported: whole-process wall time (impor
 (non-padding) tokens per second of training, peak RSS (VmHWM) and the final training loss (mean
 of the last 5 logged steps), then the ratios of lora-tune to each peer.
 
-    python benchmarks/train_vs_peers.py [--samples 128] [--cases long-tail equal-length] [--routes ...] [--workdir DIR] [--tiny]
+    python benchmarks/train_vs_peers.py [--samples 128] [--cases long-tail equal-length] [--routes ...] [--repeats N] [--workdir DIR] [--tiny]
 
 Two cases, both by default: long-tail samples (where packing removes the padding), and equal-length
 samples that need no padding (~930 tokens each, 64 of them: every route does the same compute per
 step). Routes: lora-tune with its defaults and with `--compile`, HF Trainer + PEFT, TRL. Besides
 throughput over the whole epoch (the first step included: compilation is paid there), the median
-optimizer step after the first is reported, and its ratio on equal-length data. On a GPU
+optimizer step after the first is reported, and its ratio on equal-length data. `--repeats N` runs
+every route N times, round robin (a slow spell of the machine then hits every route alike), reports
+each figure's median and prints every repeat's ratios: on this 2-core machine a single run's ratio
+moves by up to ~20%, mostly with the peers' step times. On a GPU
 (`benchmarks/gpu_bench.sh`): `--shape 8b --precision bf16|4bit --seq N --micro-batch 1 --max-steps K`
 runs a Llama-3-8B-shaped model with random weights, reports peak `max_memory_allocated`, MFU and the
 plan's figure for the same setup; `--json FILE` appends the results.
@@ -283,6 +286,20 @@ def median(values: list[float]) -> float:
     return ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
 
 
+def summarise(repeats: list[dict]) -> dict:
+    """A route's figures over its repeats: the median of each; the losses are the first repeat's
+    (lora-tune's are the same on every repeat). A run's median step leaves out its first step, which
+    pays compilation."""
+    for r in repeats:
+        r["first_step"], r["median_step"] = r["step_seconds"][0], median(r["step_seconds"][1:] or r["step_seconds"])
+    summary = {**repeats[0], "repeats": repeats}
+    for key in ("wall", "train_seconds", "peak", "first_step", "median_step"):
+        summary[key] = median([r[key] for r in repeats])
+    if repeats[0].get("device_peak") is not None:
+        summary["device_peak"] = median([r["device_peak"] for r in repeats])
+    return summary
+
+
 def run_case(args, equal_length: bool, work: Path) -> dict:
     """One data case, every route on it, its table and ratios printed; returns the results."""
     from lora_tune.config import TrainConfig
@@ -304,16 +321,18 @@ def run_case(args, equal_length: bool, work: Path) -> dict:
         "precision": args.precision,
         "max_steps": args.max_steps,
     }
-    results = {}
-    for name in args.routes:
-        if ROUTES[name][1].get("compile") and args.precision == "4bit":
-            print(f"{name}: left out at 4-bit (bitsandbytes' layers don't compile; lora-tune refuses the combination)")
-            continue
-        out = work / (("equal-" if equal_length else "long-tail-") + "".join(c if c.isalnum() else "_" for c in name))
-        if out.exists():
-            shutil.rmtree(out)
-        script, extra = ROUTES[name]
-        results[name] = run_route(script, base, data, {**cfg, **extra}, out)
+    routes = [name for name in args.routes if not (ROUTES[name][1].get("compile") and args.precision == "4bit")]
+    for name in sorted(set(args.routes) - set(routes), key=args.routes.index):
+        print(f"{name}: left out at 4-bit (bitsandbytes' layers don't compile; lora-tune refuses the combination)")
+    runs: dict[str, list[dict]] = {name: [] for name in routes}
+    for _ in range(args.repeats):  # round robin: a slow spell of the machine hits every route alike
+        for name in routes:
+            out = work / (("equal-" if equal_length else "long-tail-") + "".join(c if c.isalnum() else "_" for c in name))
+            if out.exists():
+                shutil.rmtree(out)
+            script, extra = ROUTES[name]
+            runs[name].append(run_route(script, base, data, {**cfg, **extra}, out))
+    results = {name: summarise(repeats) for name, repeats in runs.items()}
     print(
         f"{n} {'equal-length' if equal_length else 'long-tail'} alpaca samples, Llama-shaped ({shape}) {args.precision} "
         "model, LoRA r16 "
@@ -334,8 +353,8 @@ def run_case(args, equal_length: bool, work: Path) -> dict:
     for name, r in results.items():
         final = sum(r["losses"][-5:]) / len(r["losses"][-5:])
         line = (
-            f"| {name} | {r['wall']:.1f} | {r['tokens'] / r['train_seconds']:,.0f} | {r['step_seconds'][0]:.2f} | "
-            f"{median(r['step_seconds'][1:] or r['step_seconds']):.2f} | {r['peak'] / 2**20:,.0f} | {final:.4f} |"
+            f"| {name} | {r['wall']:.1f} | {r['tokens'] / r['train_seconds']:,.0f} | {r['first_step']:.2f} | "
+            f"{r['median_step']:.2f} | {r['peak'] / 2**20:,.0f} | {final:.4f} |"
         )
         if on_gpu:
             mfu = r["tokens"] / r["train_seconds"] * flops_per_token(config, seq) / 989e12  # H100/H200 dense bf16 peak
@@ -349,7 +368,7 @@ def run_case(args, equal_length: bool, work: Path) -> dict:
         for name, r in results.items():
             if name.startswith("lora-tune"):
                 continue
-            per_step = median(r["step_seconds"][1:] or r["step_seconds"]) / median(ours["step_seconds"][1:] or ours["step_seconds"])
+            per_step = r["median_step"] / ours["median_step"]
             print(
                 f"{ours_name} vs {name}: speed {r['train_seconds'] / ours['train_seconds']:.2f}x (training), "
                 f"{r['wall'] / ours['wall']:.2f}x (whole process)"
@@ -357,6 +376,15 @@ def run_case(args, equal_length: bool, work: Path) -> dict:
                 + f"; peak RSS {ours['peak'] / r['peak']:.2f}x"
                 + (f"; peak GPU memory {ours['device_peak'] / r['device_peak']:.2f}x" if on_gpu else "")
             )
+            if args.repeats > 1:
+                pairs = list(zip(ours["repeats"], r["repeats"], strict=True))
+                print(
+                    "  each repeat: training "
+                    + " ".join(f"{b['train_seconds'] / a['train_seconds']:.2f}x" for a, b in pairs)
+                    + (", per step " + " ".join(f"{b['median_step'] / a['median_step']:.2f}x" for a, b in pairs) if equal_length else "")
+                    + ", peak RSS "
+                    + " ".join(f"{a['peak'] / b['peak']:.2f}x" for a, b in pairs)
+                )
     ours = results.get("lora-tune train (defaults)")
     if ours is not None and on_gpu:
         planned = estimate.per_device["total_bytes"] - plan.CUDA_CONTEXT
@@ -389,6 +417,12 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="stop every route after this many optimizer steps")
     parser.add_argument("--routes", nargs="+", default=[r for r in ROUTES if "gradient-checkpointing" not in r], choices=list(ROUTES))
     parser.add_argument("--json", default=None, help="append the results to this JSON-lines file")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every route this many times, round robin, and report the medians (ratios of each repeat too)",
+    )
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="train-vs-peers-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,9 @@ of batch and pass, never by batch: PyTorch specialises sizes 0 and 1 (a micro-ba
 loss chunk of one position); transformers passes attention a mask only when a row packs several
 samples; without checkpointing the first layer's input needs no gradient and the others' do; with
 partial checkpointing, checkpointed and kept layers differ; evaluation (no gradients) and a DPO
-reference pass (adapter off) are passes of their own. The default setup compiles 2 graphs in its
-first step and at most 6 over a run; `CompileStats` counts them and the log says how many. Sample
+reference pass (adapter off) are passes of their own. The default setup on a CPU (every layer
+checkpointed but the last) compiles 3 graphs in its first step (a checkpointed layer, the kept one,
+the loss chunk) and at most 10 over a run; `CompileStats` counts them and the log says how many. Sample
 generations run eagerly (decoding with a KV cache would recompile at every step).
 
 The compiled artifacts go to PyTorch's own on-disk caches (Inductor's FX graph cache and

@@ -71,3 +71,22 @@ def test_compile_check_reports_cold_and_warm_compiles_and_eager_equal_losses(tmp
     assert float(warm[6]) < float(cold[6])  # compile seconds: the cache makes the second start cheaper
     differences = [float(line.split("over 20 steps ")[1].split(";")[0]) for line in proc.stdout.splitlines() if "largest relative" in line]
     assert len(differences) == 2 and max(differences) <= 1e-4
+
+
+def test_train_vs_peers_repeats_routes_round_robin_and_reports_medians(tmp_path):
+    routes = ["lora-tune train (defaults)", "HF Trainer + PEFT (padded)"]
+    argv = [sys.executable, "benchmarks/train_vs_peers.py", "--tiny", "--workdir", str(tmp_path), "--cases", "equal-length"]
+    argv += ["--seq", "1024", "--max-steps", "3", "--repeats", "3", "--json", str(tmp_path / "runs.jsonl"), "--routes", *routes]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    (summary,) = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    for name in routes:
+        result = summary["results"][name]
+        repeats = result["repeats"]
+        assert len(repeats) == 3 and result["losses"] == repeats[0]["losses"]
+        if name.startswith("lora-tune"):  # seeded and deterministic: every repeat trains the same numbers
+            assert all(r["losses"] == repeats[0]["losses"] for r in repeats)
+        for key in ("train_seconds", "median_step", "peak", "wall"):
+            assert result[key] == sorted(r[key] for r in repeats)[1]  # the median of three
+    each = [line for line in proc.stdout.splitlines() if line.startswith("  each repeat:")]
+    assert len(each) == 1 and each[0].count("x") == 9  # training, per step and peak RSS ratios, three each

@@ -14,6 +14,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lora_tune.adapter import checkpointed_layers
+from lora_tune.cli import setup_logging
 from lora_tune.config import TrainConfig
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import estimate, setup_from
@@ -253,3 +254,27 @@ def test_auto_checkpointing_keeps_the_layers_the_budget_allows_and_the_same_numb
         recipe.cleanup()
     assert "gradient checkpointing (auto): 3 of 4 decoder layers recomputed, the rest keep their activations" in capsys.readouterr().err
     assert [r["loss"] for r in read_metrics(tmp_path / "auto") if "loss" in r] == losses["on"] == losses["off"]
+
+
+def test_auto_checkpointing_on_a_cpu_keeps_only_the_last_layer(data_files, tmp_path, capsys):
+    """No device budget on a CPU: auto recomputes every layer but the last, whose activations cost no
+    more than rebuilding it would (backward reaches it first); the plan says so, and --gradient-
+    checkpointing on still recomputes every layer."""
+    base = build_tiny_llama(tmp_path / "four-layers", num_hidden_layers=4)
+    options = {**FAST, "base": str(base), "data": str(data_files["alpaca"])}
+    arch = load_architecture(str(base))
+    setup = setup_from(TrainConfig(output_dir="o", **options))
+    assert estimate(arch, replace(setup, kept_layers=1)).per_device["total_bytes"] <= estimate(arch, setup).per_device["total_bytes"]
+    flags = {}
+    setup_logging()  # the log to this test's stderr, as the CLI sets it up
+    for mode in ("auto", "on"):
+        recipe = Recipe(TrainConfig(output_dir=str(tmp_path / mode), gradient_checkpointing=mode, **options))
+        try:
+            recipe.setup()
+            flags[mode] = [layer.gradient_checkpointing for layer in checkpointed_layers(recipe.loop.model.peft_model)]
+        finally:
+            recipe.cleanup()
+    assert flags == {"auto": [True, True, True, False], "on": [True, True, True, True]}
+    err = capsys.readouterr().err
+    assert "gradient checkpointing (auto): 3 of 4 decoder layers recomputed" in err
+    assert "of checkpointing every layer: no device memory budget on cpu, --memory-budget sets one" in err
