@@ -193,10 +193,11 @@ class TrainConfig(BaseModel):
         "whole [tokens x vocab] logits. Default: about tokens x hidden / vocab per chunk (logits no bigger than the hidden "
         "states); 0: the model's own full-logits loss.",
     )
-    attn_implementation: Literal["auto", "sdpa", "flash_attention_2", "eager"] = Field(
+    attn_implementation: Literal["auto", "sdpa", "sdpa_packed", "flash_attention_2", "eager"] = Field(
         "auto",
         json_schema_extra=FREE,
-        description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU, else sdpa.",
+        description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU; on a CPU with packing (and "
+        "no --compile) sdpa_packed, SDPA once per packed sample instead of a masked row; else sdpa.",
     )
     micro_batch_size: int = Field(1, gt=0, json_schema_extra=MATH, description="Samples per forward/backward.")
     grad_accum: int = Field(1, gt=0, json_schema_extra=MATH, description="Micro-batches per optimizer step.")

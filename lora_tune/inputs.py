@@ -305,7 +305,7 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
 def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     """Packing, the chunked loss, activation offload and the attention kernels, checked against
     this model and machine from its config alone; what can't apply says so in one line."""
-    attention = attention_implementation(cfg.attn_implementation, config, device)
+    attention = attention_implementation(cfg, config, device)
     packing = cfg.packing
     reason = packing_refusal(config) if cfg.packing else None
     if reason:

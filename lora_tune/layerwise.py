@@ -129,7 +129,7 @@ def streamed_skeleton(base_path: str, cfg, device: torch.device, refused: str, f
     shardable int8 layer); a checkpoint that can't be streamed is one error line: `refused` names
     the setup, `fix` what to use instead."""
     try:
-        attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), device)
+        attention = attention_implementation(cfg, load_config(base_path, cfg.trust_remote_code), device)
         return build_skeleton(
             base_path,
             cfg.precision,

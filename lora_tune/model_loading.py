@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, BitsAndBytesConfig, FineGrainedFP8Config, Mxfp4Config
 from transformers.utils import is_flash_attn_2_available
 
+from lora_tune import attention
 from lora_tune.errors import UserError, first_line
 from lora_tune.loss import SOFTCAP_KEYS
 from lora_tune.model_structure import auto_class, decoder_body, model_class
@@ -150,21 +151,32 @@ def load_config(base_path: str, trust_remote_code: bool = False):
         raise UserError(f"--base: could not read the config of {base_path} ({first_line(e)})") from None
 
 
-def attention_implementation(choice: str, config, device: torch.device) -> str:
+def attention_implementation(cfg, config, device: torch.device) -> str:
     """--attn-implementation resolved: auto = flash_attention_2 when installed on a GPU and the model
-    supports it, else sdpa (eager for the few models without sdpa)."""
-    cls = model_class(config)
+    supports it; on a CPU with packed rows and eager layers, sdpa_packed (`lora_tune.attention`) for
+    the models that call attention through transformers' interface; else sdpa (eager for the few
+    models without sdpa)."""
+    choice, cls = cfg.attn_implementation, model_class(config)
+    per_sample = cls is not None and cls.is_backend_compatible()
     if choice == "flash_attention_2":
         if device.type != "cuda" or not is_flash_attn_2_available():
             raise UserError(
                 "--attn-implementation flash_attention_2 needs a CUDA GPU and the flash-attn package (pip install flash-attn); use sdpa"
             )
+    if choice == attention.NAME and not per_sample:
+        raise UserError(
+            f"--attn-implementation {attention.NAME}: {config.model_type} does not call attention through transformers' interface; use sdpa"
+        )
+    if choice == attention.NAME and cfg.compile:
+        raise UserError(f"--attn-implementation {attention.NAME} runs Python per sample, which --compile can't capture; use sdpa")
     if choice != "auto":
         return choice
     if device.type == "cuda" and cls is not None and getattr(cls, "_supports_flash_attn", False):
         if is_flash_attn_2_available():
             return "flash_attention_2"
-    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+    if cls is not None and not getattr(cls, "_supports_sdpa", True):
+        return "eager"
+    return attention.NAME if device.type == "cpu" and cfg.packing and not cfg.compile and per_sample else "sdpa"
 
 
 class NoTwin(Exception):

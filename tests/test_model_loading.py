@@ -4,6 +4,7 @@ same class; the attention kernels; the base loaded frozen in its precision."""
 from __future__ import annotations
 
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -64,11 +65,15 @@ def test_a_model_whose_samples_leak_trains_on_padded_batches(tmp_path, data_file
 
 
 def test_attention_kernels_on_a_cpu():
-    config = LlamaConfig()
-    assert attention_implementation("auto", config, torch.device("cpu")) == "sdpa"
-    assert attention_implementation("eager", config, torch.device("cpu")) == "eager"
+    config, cpu = LlamaConfig(), torch.device("cpu")
+
+    def choice(name, packing=True):
+        return SimpleNamespace(attn_implementation=name, packing=packing, compile=False)
+
+    assert attention_implementation(choice("auto", packing=False), config, cpu) == "sdpa"
+    assert attention_implementation(choice("eager"), config, cpu) == "eager"
     with pytest.raises(UserError, match="flash_attention_2 needs a CUDA GPU"):
-        attention_implementation("flash_attention_2", config, torch.device("cpu"))
+        attention_implementation(choice("flash_attention_2"), config, cpu)
 
 
 @pytest.mark.parametrize("precision,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16), ("4bit", torch.uint8)])

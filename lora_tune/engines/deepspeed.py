@@ -150,9 +150,7 @@ class DeepSpeedEngine:
                 cfg.trust_remote_code,
                 cfg.allow_bin,
                 zero3=self.zero3,
-                attn_implementation=attention_implementation(
-                    cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device
-                ),
+                attn_implementation=attention_implementation(cfg, load_config(base_path, cfg.trust_remote_code), self.device),
             )
         self.model = add_adapter(base)
         if self.zero3 and self.model.chunk_size != 0:

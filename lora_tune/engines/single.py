@@ -49,7 +49,7 @@ class SingleDeviceEngine:
     # --- loading -------------------------------------------------------------------------------
     def load(self, base_path: str, add_adapter):
         cfg = self.cfg
-        attention = attention_implementation(cfg.attn_implementation, load_config(base_path, cfg.trust_remote_code), self.device)
+        attention = attention_implementation(cfg, load_config(base_path, cfg.trust_remote_code), self.device)
         base = load_base_model(base_path, cfg.precision, self.device, cfg.trust_remote_code, cfg.allow_bin, attn_implementation=attention)
         self.model = add_adapter(base)
         return self.model
