@@ -285,9 +285,10 @@ def test_compiled_layers_under_sharding_train_the_eager_losses(name, jobs):
     out, err = run_of(jobs, name)
     eager, _ = run_of(jobs, "fsdp-fp32-exact")
     assert "decoder layers and the loss's chunk step compiled (regional torch.compile)" in err
-    # The job's runs share 2 processes: what an earlier run compiled is not compiled again here.
+    # The job's runs share 2 processes: what an earlier run compiled is not compiled again here. The
+    # bound is a single device's (tests/test_compilation.py): kinds of batch and pass, never batches.
     graphs = [int(n) for n in re.findall(r"over the run: compiled (\d+) graph", err)]
-    assert len(graphs) == 1 and graphs[0] <= 6
+    assert len(graphs) == 1 and graphs[0] <= 10
     assert step_losses(out) == pytest.approx(step_losses(eager), rel=1e-5) and len(step_losses(out)) == 4
 
 
