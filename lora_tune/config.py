@@ -191,7 +191,7 @@ class TrainConfig(BaseModel):
         json_schema_extra={**FREE, "hint": "0 computes the full logits; leave it out for the automatic size"},
         description="Compute the output head and cross-entropy this many label tokens at a time, never materialising the "
         "whole [tokens x vocab] logits. Default: about tokens x hidden / vocab per chunk (logits no bigger than the hidden "
-        "states); 0: the model's own full-logits loss.",
+        "states), at least 128; 0: the model's own full-logits loss.",
     )
     attn_implementation: Literal["auto", "sdpa", "sdpa_packed", "flash_attention_2", "eager"] = Field(
         "auto",
