@@ -124,7 +124,7 @@ def sequence_log_probs(hidden, weight, targets, sequence_ids, n_sequences: int, 
 # Fewest label tokens per automatic chunk. Below this the head's matmul has too few rows to run at
 # full speed: on the CPU benchmark shape (hidden 512, vocab 32000, 4 x 1024 tokens) Liger's rule gives
 # 64, and the loss's forward + backward takes 382 ms per step at 64 against 325 ms at 128 and 329 ms
-# at 256; a 128-token chunk of a 128k vocabulary is 64 MiB of fp32 logits.
+# at 256; a 128-token chunk of a 128k vocabulary is about 63 MiB of fp32 logits.
 MIN_AUTO_CHUNK = 128
 
 
