@@ -53,8 +53,8 @@ OURS = (
 import sys, time, json
 t = time.perf_counter()
 from lora_tune.config import TrainConfig
-from lora_tune.data import prepare_data
-from lora_tune.model_loading import load_tokenizer
+from lora_tune.data.prepare import prepare_data
+from lora_tune.models.loading import load_tokenizer
 cfg = TrainConfig(base=sys.argv[1], data=sys.argv[2], output_dir="unused", max_seq_len=2048, data_cache_dir=sys.argv[3])
 tokenizer = load_tokenizer(sys.argv[1])
 imported = time.perf_counter()  # what follows is the data stage itself (imports are paid by any run)
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[20_000, 200_000, 1_000_000])
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    from lora_tune.tiny_model import build_tiny_llama
+    from lora_tune.models.tiny_model import build_tiny_llama
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data-prep-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -85,7 +85,7 @@ import json, logging, re, sys
 import torch
 from lora_tune.cli import build_parser, config_from_args, quiet_libraries, setup_logging
 from lora_tune.config import TrainConfig
-from lora_tune.recipe import Recipe
+from lora_tune.training.recipe import Recipe
 cfg = json.loads(sys.argv[3])
 seen = {"reference_seconds": 0.0}
 class Watch(logging.Handler):  # the RSS when training starts, the reference pass's time

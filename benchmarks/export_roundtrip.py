@@ -33,7 +33,7 @@ EXPORT = (
     + """
 import json, sys, time
 from lora_tune.config import ExportConfig
-from lora_tune.exporting import run
+from lora_tune.after.export import run
 t = time.perf_counter()
 r = run(ExportConfig(source=sys.argv[1], output=sys.argv[2], quant=sys.argv[3], verify=sys.argv[4] == "1"))
 print(json.dumps({"rel": r.max_rel_logit_diff, "agree": r.greedy_agreement, "ids": r.token_ids_equal, "write_s": r.seconds,
@@ -44,7 +44,7 @@ IMPORTS_ONLY = (
     PEAK
     + """
 import json, torch, numpy, gguf, safetensors
-from lora_tune.exporting import gguf as g, run
+from lora_tune.after.export import gguf as g, run
 print(json.dumps({"peak": peak()}))
 """
 )
@@ -87,7 +87,7 @@ def sharded_run(root: Path, layers: int) -> tuple[Path, list[Path]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lora_tune.tiny_model import build_tiny_llama
+    from lora_tune.models.tiny_model import build_tiny_llama
 
     base = build_tiny_llama(
         root / f"base-small-{layers}",
@@ -144,7 +144,7 @@ def streaming(root: Path) -> list[str]:
                 f"{len(shards)} | {largest / 2**20:,.0f} | {net / largest:.2f} |"
             )
             print(rows[-1], flush=True)
-    rows.append(f"\nImports alone (torch, gguf, safetensors, lora_tune.exporting): {bare / 2**20:,.0f} MiB.")
+    rows.append(f"\nImports alone (torch, gguf, safetensors, lora_tune.after.export): {bare / 2**20:,.0f} MiB.")
     return rows
 
 

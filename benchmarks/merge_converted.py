@@ -94,7 +94,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="merge-converted-"))
     _, _, import_rss = run(IMPORTS)
-    print(f"importing torch + transformers + peft + lora_tune.merger alone: {import_rss / 2**30:.2f} GiB peak RSS")
+    print(f"importing torch + transformers + peft + lora_tune.after.merge alone: {import_rss / 2**30:.2f} GiB peak RSS")
     header = f"{'checkpoint':<12} {'size GB':>8} {'shards':>7} {'route':<12} {'peak RSS GiB':>13} {'s':>6}"
     print(f"{header} {'same names':>11} {'max rel diff':>13}")
     COMMON["num_hidden_layers"] = args.layers

@@ -45,7 +45,7 @@ print("RESULT", time.perf_counter() - t, peak())
 
 # Baseline: what importing the libraries alone costs, so the figures can be read net of it.
 IMPORTS = r"""
-import torch, transformers, peft, lora_tune.merger
+import torch, transformers, peft, lora_tune.after.merge
 from transformers import AutoModelForCausalLM
 print("RESULT", 0.0, peak())
 """

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.adapter import add_lora
-from lora_tune.batching import collate
 from lora_tune.config import TrainConfig
-from lora_tune.data import Sample
+from lora_tune.data.batching import collate
+from lora_tune.data.prepare import Sample
 from lora_tune.engines.single import SingleDeviceEngine
-from lora_tune.loss import CausalLMLoss
-from lora_tune.model_loading import load_base_model
+from lora_tune.models.adapter import add_lora
+from lora_tune.models.head import CausalLMLoss
+from lora_tune.models.loading import load_base_model
 from lora_tune.planner import architecture
 from lora_tune.planner import memory as plan
 
@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
     if args.tiny:
-        from lora_tune.tiny_model import build_tiny_llama
+        from lora_tune.models.tiny_model import build_tiny_llama
 
         base, seq, precisions = build_tiny_llama(work / "tiny"), 128, ["bf16", "4bit"]
     else:

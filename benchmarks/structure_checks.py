@@ -1,6 +1,6 @@
 """Structural facts about every family, checked in one process on tiny random models (no training):
 
-body      lora_tune.model_structure.decoder_body(model): head(body(ids).last_hidden_state) == logits?
+body      lora_tune.models.structure.decoder_body(model): head(body(ids).last_hidden_state) == logits?
           and the same for getattr(model, base_model_prefix) and model.get_decoder()
 outside   modules outside the language model (vision tower, projector...) of image-text wrappers
 stateful  layers with a recurrent/conv state per transformers' cache classes (model_structure.stateful_layers)
@@ -24,13 +24,13 @@ def check(model_type: str) -> dict:
     import torch
     from transformers import CONFIG_MAPPING
 
-    from lora_tune.model_structure import (
+    from lora_tune.models.structure import (
         decoder_body,
         outside_language_model,
         packing_probe,
         stateful_layers,
     )
-    from lora_tune.tiny_configs import shrink_config
+    from lora_tune.models.tiny_configs import shrink_config
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from family_sweep import auto_class
@@ -83,8 +83,8 @@ def check(model_type: str) -> dict:
     # LoRA targets: lora-tune's default on the whole model vs on the body; what peft makes of them.
     from peft import get_peft_model
 
-    from lora_tune.adapter import Inventory, lora_config, resolve_targets
     from lora_tune.config import TrainConfig
+    from lora_tune.models.adapter import Inventory, lora_config, resolve_targets
 
     cfg = TrainConfig(base="x", data="x.jsonl", output_dir="o", rank=4)
     try:

@@ -29,8 +29,10 @@ import yaml  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from lora_tune import distributed, engines, evaluation, exporting, launcher, merger, planner, recipe, reporting, serving  # noqa: E402
-from lora_tune.aliases import resolve_base  # noqa: E402
+from lora_tune import planner  # noqa: E402
+from lora_tune.after import evaluation, reporting, serving  # noqa: E402
+from lora_tune.after import export as exporting  # noqa: E402
+from lora_tune.after import merge as merger  # noqa: E402
 from lora_tune.config import (  # noqa: E402
     CheckServingConfig,
     EvalConfig,
@@ -42,10 +44,14 @@ from lora_tune.config import (  # noqa: E402
     build_config,
     read_yaml,
 )
+from lora_tune.engines import ranks as distributed  # noqa: E402
+from lora_tune.engines import registry as engines  # noqa: E402
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
-from lora_tune.metrics import read_records  # noqa: E402
-from lora_tune.model_loading import WEIGHT_DTYPE, load_config  # noqa: E402
-from lora_tune.model_structure import auto_class  # noqa: E402
+from lora_tune.models.aliases import resolve_base  # noqa: E402
+from lora_tune.models.loading import WEIGHT_DTYPE, load_config  # noqa: E402
+from lora_tune.models.structure import auto_class  # noqa: E402
+from lora_tune.training import launcher, recipe  # noqa: E402
+from lora_tune.training.metrics import read_records  # noqa: E402
 
 
 @dataclass

@@ -83,7 +83,7 @@ class RegistryHelp(argparse.HelpFormatter):
         name = getattr(action, "registry", None)
         if not name:
             return None
-        from lora_tune import engines  # noqa: PLC0415 - start-up time: the backends import torch and friends
+        from lora_tune.engines import registry as engines  # noqa: PLC0415 - start-up time: the backends import torch and friends
 
         return getattr(engines, name)()
 
@@ -182,7 +182,7 @@ def config_from_args(schema, args: argparse.Namespace, skip=("command", "config"
 
 
 def cmd_models() -> int:
-    from lora_tune.aliases import ALIASES, architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.models.aliases import ALIASES, architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
     from lora_tune.planner.architecture import Architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
     print(f"{'alias':<13} {'hub id':<33} {'params':>8}  description")
@@ -254,8 +254,10 @@ def without_flags(argv: list[str], *names: str) -> list[str]:
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
-    from lora_tune import distributed, engines, launcher  # noqa: PLC0415 - start-up time: each command loads only its own modules
-    from lora_tune.recipe import run  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.engines import ranks as distributed  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.engines import registry as engines  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.training import launcher  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.training.recipe import run  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
     cfg = config_from_args(TrainConfig, args)
@@ -301,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             return cmd_train(args, argv)
         if args.command == "report":
-            from lora_tune import reporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
+            from lora_tune.after import reporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
             reporting.run(ReportConfig(**{k: v for k, v in vars(args).items() if k in ReportConfig.model_fields}))
             return 0
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return planner.run(config_from_args(PlanConfig, args))
         if args.command == "merge":
-            from lora_tune import merger  # noqa: PLC0415 - start-up time: each command loads only its own modules
+            from lora_tune.after import merge as merger  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
             merger.run(config_from_args(MergeConfig, args))
             return 0
@@ -318,15 +320,15 @@ def main(argv: list[str] | None = None) -> int:
             if hasattr(args, "source_arg"):  # SOURCE given positionally (the --source flag says the same)
                 args.source = args.__dict__.pop("source_arg")
             if args.command == "eval":
-                from lora_tune import evaluation  # noqa: PLC0415 - start-up time: each command loads only its own modules
+                from lora_tune.after import evaluation  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
                 evaluation.run(config_from_args(EvalConfig, args))
             elif args.command == "export":
-                from lora_tune import exporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
+                from lora_tune.after import export as exporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
                 exporting.run(config_from_args(ExportConfig, args))
             else:
-                from lora_tune import serving  # noqa: PLC0415 - start-up time: each command loads only its own modules
+                from lora_tune.after import serving  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
                 serving.run(config_from_args(CheckServingConfig, args))
             return 0

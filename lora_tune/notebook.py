@@ -11,12 +11,13 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from lora_tune import objectives, reporting
-from lora_tune.aliases import resolve_base
+from lora_tune.after import reporting
 from lora_tune.config import TrainConfig
-from lora_tune.data import prepare_data
-from lora_tune.loss import IGNORE
-from lora_tune.model_loading import load_tokenizer
+from lora_tune.data.prepare import prepare_data
+from lora_tune.models.aliases import resolve_base
+from lora_tune.models.head import IGNORE
+from lora_tune.models.loading import load_tokenizer
+from lora_tune.training.objectives import registry as objectives
 
 
 def in_notebook() -> bool:

@@ -19,20 +19,21 @@ from pathlib import Path
 import torch
 from huggingface_hub import try_to_load_from_cache
 
-from lora_tune import checkpoint as ckpt
-from lora_tune import compilation, engines, evaluation, objectives, planner, serving, shards
-from lora_tune import distributed as dist
-from lora_tune.adapter import Checkpointing, Inventory, Targets, check_loads_back, peft_exact_targets, resolve_targets
-from lora_tune.aliases import resolve_base
-from lora_tune.batching import MicroBatches
+from lora_tune import planner
+from lora_tune.after import evaluation, serving
 from lora_tune.config import TrainConfig
-from lora_tune.data import PreparedData, prepare_data
+from lora_tune.data.batching import MicroBatches
 from lora_tune.data.cache import cache_root as data_cache_root
+from lora_tune.data.prepare import PreparedData, prepare_data
 from lora_tune.data.prompts import read_eval_prompts
+from lora_tune.engines import ranks as dist
+from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
-from lora_tune.loss import chunking_refusal
-from lora_tune.metrics import check_reporter
-from lora_tune.model_loading import (
+from lora_tune.models import shards
+from lora_tune.models.adapter import Checkpointing, Inventory, Targets, check_loads_back, peft_exact_targets, resolve_targets
+from lora_tune.models.aliases import resolve_base
+from lora_tune.models.head import chunking_refusal
+from lora_tune.models.loading import (
     attention_implementation,
     checkpointing_refusal,
     dequantizing,
@@ -43,12 +44,16 @@ from lora_tune.model_loading import (
     pick_device,
     quant_method,
 )
-from lora_tune.model_structure import meta_model, model_class
-from lora_tune.objectives import Objective
+from lora_tune.models.structure import meta_model, model_class
 from lora_tune.planner.architecture import unquantized_experts
 from lora_tune.planner.memory import GIB, Estimate, Setup, recomputed_layers
 from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed
 from lora_tune.planner.speed import checkpointing_cost
+from lora_tune.training import checkpoint as ckpt
+from lora_tune.training import compilation
+from lora_tune.training.metrics import check_reporter
+from lora_tune.training.objectives import registry as objectives
+from lora_tune.training.objectives.registry import Objective
 
 log = logging.getLogger("lora_tune")
 

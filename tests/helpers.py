@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 
 from lora_tune.cli import main
 from lora_tune.config import TrainConfig
-from lora_tune.data import Sample
+from lora_tune.data.prepare import Sample
 from lora_tune.data.tokenize import Tokenize
-from lora_tune.loss import IGNORE
+from lora_tune.models.head import IGNORE
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: presets, notebooks, README, benchmarks
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import lora_tune.engines
+import lora_tune.engines.registry
 from lora_tune.cli import build_parser, config_from_args, without_flags
 from lora_tune.config import TrainConfig, flag
 from lora_tune.errors import UserError
@@ -52,7 +52,7 @@ def test_help_documents_every_option_and_the_registered_backends(capsys):
         assert flag(name) in text, name
         assert field.description, f"{name} has no help text"
     assert "--backend single|deepspeed|fsdp" in text and "--zero 0|1|2|3" in text
-    for name, description in lora_tune.engines.names().items():
+    for name, description in lora_tune.engines.registry.names().items():
         assert f"{name}: {description.split()[0]}" in " ".join(text.split())
 
 
@@ -315,7 +315,7 @@ def no_model_loading(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("no engine may start (and load the model) for bad input")
 
-    monkeypatch.setattr(lora_tune.engines, "create", refuse)
+    monkeypatch.setattr(lora_tune.engines.registry, "create", refuse)
 
 
 @pytest.mark.parametrize("name", list(BAD_INPUT))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_tune import inputs
+from lora_tune import preflight as inputs
 from lora_tune.config import TrainConfig
 
 from helpers import fast_train_args, read_metrics, run_cli, single_error_line, tmpfs, tree_digest, write_jsonl

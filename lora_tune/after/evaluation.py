@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.aliases import resolve_base
 from lora_tune.errors import UserError, did_you_mean
+from lora_tune.models.aliases import resolve_base
 
 log = logging.getLogger("lora_tune")
 RESULTS_FILE = "eval_results.json"

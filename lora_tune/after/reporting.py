@@ -9,9 +9,9 @@ import math
 import os
 from pathlib import Path
 
+from lora_tune.after.evaluation import read_results, table
 from lora_tune.errors import UserError, first_line
-from lora_tune.evaluation import read_results, table
-from lora_tune.metrics import read_records
+from lora_tune.training.metrics import read_records
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

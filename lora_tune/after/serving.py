@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_tune.aliases import ALIASES, architecture
+from lora_tune.after.merge import read_adapter
 from lora_tune.errors import UserError
-from lora_tune.merger import read_adapter
+from lora_tune.models.aliases import ALIASES, architecture
 
 log = logging.getLogger("lora_tune")
 
@@ -25,7 +25,7 @@ VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DEFAULT_MAX_LORA_RANK = 16
 EMBEDDING_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
 # Families whose LoRA a llama.cpp adapter GGUF can carry: the architectures `lora-tune export`
-# writes (lora_tune.exporting.gguf.FAMILIES) - an adapter GGUF must match its base's tensor layout.
+# writes (lora_tune.after.export.gguf.FAMILIES) - an adapter GGUF must match its base's tensor layout.
 LLAMA_CPP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2")
 # Ollama's ADAPTER takes safetensors (PEFT) adapters for these families only; others need a GGUF
 # adapter (docs/import.md, "Importing a fine tuned adapter from Safetensors weights").
@@ -200,7 +200,7 @@ def how_to_serve(engine: str, facts: AdapterFacts, base: str, adapter_dir: str) 
 def check_config(cfg, targets, model_type: str) -> None:
     """Training-time check for `--serve-with ENGINE`: the options that would make the adapter
     unservable there are refused in one line, before loading, with what to do instead. `targets`
-    is lora_tune.adapter.Targets as resolved for the run (None: only the options are checked)."""
+    is lora_tune.models.adapter.Targets as resolved for the run (None: only the options are checked)."""
     engine = getattr(cfg, "serve_with", None)
     if not engine:
         return

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lora_tune.loss import IGNORE
+from lora_tune.models.head import IGNORE
 
 GROUP_WINDOW = 64  # micro-batches per length-sorting window
 

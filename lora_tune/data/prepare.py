@@ -24,10 +24,10 @@ import datasets
 import pyarrow
 import torch
 
-from lora_tune import objectives
 from lora_tune.data import cache, formats, sources
 from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
 from lora_tune.errors import UserError, first_line
+from lora_tune.training.objectives import registry as objectives
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import datasets
 
-from lora_tune.aliases import check_hub_reachable
 from lora_tune.errors import TrainingStopped, UserError, first_line
+from lora_tune.models.aliases import check_hub_reachable
 
 SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from lora_tune.data import formats
 from lora_tune.data.chat import ChatRenderer
-from lora_tune.loss import IGNORE
+from lora_tune.models.head import IGNORE
 
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME = 0, 1, 2, 3, 4
 NO_LABEL = -1  # the `label` of a sample that is not a KTO row

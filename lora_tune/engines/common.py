@@ -12,9 +12,9 @@ import bitsandbytes as bnb
 import torch
 from transformers import get_scheduler
 
-from lora_tune import checkpoint as ckpt
-from lora_tune import distributed as dist
-from lora_tune.model_loading import compute_dtype
+from lora_tune.engines import ranks as dist
+from lora_tune.models.loading import compute_dtype
+from lora_tune.training import checkpoint as ckpt
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float):

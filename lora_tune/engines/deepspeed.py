@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from lora_tune import distributed as dist
-from lora_tune import layerwise
-from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
+from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import BackendSpec, ModelStates, Placement, divided, share
 from lora_tune.errors import UserError
-from lora_tune.model_loading import attention_implementation, load_base_model, load_config
+from lora_tune.models import layerwise
+from lora_tune.models.adapter import load_adapter_weights, trainable_state_dict
+from lora_tune.models.loading import attention_implementation, load_base_model, load_config
 
 log = logging.getLogger("lora_tune")
 

@@ -1,7 +1,7 @@
 """PyTorch FSDP2: `fully_shard` per decoder layer and on the root, optional CPU offload.
 
 Weights, LoRA weights, gradients and optimizer states are all split across ranks (like ZeRO-3).
-The base is streamed in layer by layer (`lora_tune.layerwise`): each decoder layer is read,
+The base is streamed in layer by layer (`lora_tune.models.layerwise`): each decoder layer is read,
 quantized when 4-bit, given its LoRA weights and sharded before the next is read, so no rank and
 no host ever holds the whole model. bf16 runs under a mixed-precision policy (weights gathered and
 computed in bf16, gradients reduced in fp32) while the LoRA weights stay fp32 in their shards.
@@ -23,12 +23,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import distribute_tensor
 
-from lora_tune import distributed as dist
-from lora_tune import layerwise
-from lora_tune.adapter import materialize_lora, trainable_state_dict
 from lora_tune.engines import common
+from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import BackendSpec, ModelStates, Placement, share
 from lora_tune.errors import UserError
+from lora_tune.models import layerwise
+from lora_tune.models.adapter import materialize_lora, trainable_state_dict
 
 
 def refusal(precision: str, stage: int, offload: str) -> str | None:
@@ -101,7 +101,7 @@ class FSDPEngine:
     def load(self, base_path: str, add_adapter):
         cfg = self.cfg
         # NF4 packed into bf16 words, so FSDP2 shards it like any bf16 tensor; 8-bit layers that keep
-        # their int8 matrix only in the (sharded) parameter (lora_tune.int8_sharded).
+        # their int8 matrix only in the (sharded) parameter (lora_tune.models.int8_sharded).
         skeleton, reader = layerwise.streamed_skeleton(
             base_path, cfg, self.device, "--backend fsdp", "use --zero 3 with --precision bf16, or --zero 2"
         )

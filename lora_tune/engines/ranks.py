@@ -1,5 +1,5 @@
 """What every multi-process run shares, whatever the backend: rank helpers and agreement between
-ranks (the `--nproc` launcher is `lora_tune.launcher`).
+ranks (the `--nproc` launcher is `lora_tune.training.launcher`).
 
 One rule holds throughout: rank 0 writes files and prints progress; every rank takes part in
 the collectives (gathering LoRA weights, barriers), so none waits for another forever.

@@ -1,6 +1,6 @@
 """The engine seam: everything that differs by backend lives behind one interface.
 
-The recipe (`lora_tune.recipe`) loads, trains, checkpoints and saves through `Engine` alone and
+The recipe (`lora_tune.training.recipe`) loads, trains, checkpoints and saves through `Engine` alone and
 never asks which backend runs. Each backend module declares a static `SPEC` (`spec.BackendSpec`:
 flags, cells and refusals, loading, memory placement, speed) and implements `Engine`; this module
 is the registry that reads the specs for the config's choices, the compatibility matrix, `plan`
@@ -22,12 +22,12 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from lora_tune import compilation
-from lora_tune import distributed as dist
-from lora_tune.batching import MicroBatch
+from lora_tune.data.batching import MicroBatch
 from lora_tune.engines import deepspeed, fsdp, single
+from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import OFFLOAD_LABEL, OFFLOADS, PRECISIONS, BackendSpec
 from lora_tune.errors import UserError
+from lora_tune.training import compilation
 
 
 class Engine(Protocol):
@@ -46,7 +46,7 @@ class Engine(Protocol):
     def load(self, base_path: str, add_adapter: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
         """The base, loaded and partitioned as this backend needs, with the adapter injected by
         `add_adapter` at the moment that suits the backend. Returns what `add_adapter` made: the
-        loss module (`lora_tune.loss.CausalLMLoss`, its peft model as `.peft_model`)."""
+        loss module (`lora_tune.models.head.CausalLMLoss`, its peft model as `.peft_model`)."""
 
     def load_adapter(self, path: Path) -> None:
         """Adapter weights of a checkpoint into the (not yet prepared) model."""

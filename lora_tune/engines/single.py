@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.adapter import load_adapter_weights, trainable_state_dict
 from lora_tune.engines import common
 from lora_tune.engines.spec import BackendSpec, whole
-from lora_tune.model_loading import attention_implementation, load_base_model, load_config
+from lora_tune.models.adapter import load_adapter_weights, trainable_state_dict
+from lora_tune.models.loading import attention_implementation, load_base_model, load_config
 
 
 def refusal(precision: str, stage: int, offload: str) -> str | None:

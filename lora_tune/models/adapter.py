@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.pytorch_utils import Conv1D
 
-from lora_tune.checkpoint import fsync_path, remove_tree, write_safetensors
-from lora_tune.checkpoint_layout import natural_order
 from lora_tune.errors import UserError, first_line
-from lora_tune.model_structure import anchored_pattern, block_modules, body_path, linear_name, meta_model
+from lora_tune.models.checkpoint_layout import natural_order
+from lora_tune.models.structure import anchored_pattern, block_modules, body_path, linear_name, meta_model
+from lora_tune.training.checkpoint import fsync_path, remove_tree, write_safetensors
 
 log = logging.getLogger("lora_tune")
 
@@ -417,7 +417,7 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
 
     Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad. `targets`:
     resolved before loading (from a meta skeleton); else resolved on `model`. `checkpointing`:
-    decided for this run (lora_tune.inputs); else the configuration's setting.
+    decided for this run (lora_tune.preflight); else the configuration's setting.
     """
     targets = targets or resolve_targets(model, cfg)
     wanted = targets.weights(model)
@@ -429,7 +429,7 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed
     for name, layer in lora_layers(peft_model):
-        if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.layerwise)
+        if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.models.layerwise)
             init_lora_layer(layer, name, cfg.seed)
     to_fp32(peft_model)
     torch.manual_seed(cfg.seed)  # dropout draws from here: part of the seeded math

@@ -1,6 +1,6 @@
 """Model aliases: short names that map to a hub id and carry the architecture (config.json) offline.
 
-The architecture files live in `lora_tune/architectures/ALIAS.json`, so `plan` and validation know
+The architecture files live in `lora_tune/models/architectures/ALIAS.json`, so `plan` and validation know
 the shapes of a 70B without touching the network; weights still come from the hub or a local path.
 """
 
@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 from huggingface_hub import constants, scan_cache_dir
 
 from lora_tune.errors import UserError, did_you_mean
-from lora_tune.tiny_model import build_tiny_llama, tiny_llama_config
+from lora_tune.models.tiny_model import build_tiny_llama, tiny_llama_config
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def architecture(alias: str) -> dict:
     """The shipped config.json of an alias (the tiny one is computed, not shipped)."""
     if alias == "tiny-llama":
         return tiny_llama_config(512).to_dict()
-    text = resources.files("lora_tune.architectures").joinpath(f"{alias}.json").read_text()
+    text = resources.files("lora_tune.models.architectures").joinpath(f"{alias}.json").read_text()
     return json.loads(text)
 
 

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from lora_tune.model_structure import decoder_body
+from lora_tune.models.structure import decoder_body
 
 IGNORE = -100  # the label of a position with no loss (prompt, padding): PyTorch's and transformers' convention
 
@@ -182,7 +182,7 @@ class CausalLMLoss(torch.nn.Module):
         super().__init__()
         self.peft_model = peft_model
         self.chunk_size = chunk_size
-        self.chunk_fn = cross_entropy_chunk  # --compile: compiled (lora_tune.compilation)
+        self.chunk_fn = cross_entropy_chunk  # --compile: compiled (lora_tune.training.compilation)
         config = peft_model.get_base_model().config.get_text_config(decoder=True)
         self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
 

@@ -24,13 +24,13 @@ import torch
 from transformers import AutoConfig, PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
-from lora_tune import shards
-from lora_tune.adapter import base_name
-from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.errors import UserError
-from lora_tune.int8_sharded import ShardableLinear8bit
-from lora_tune.model_loading import WEIGHT_DTYPE, attention_implementation, load_config
-from lora_tune.model_structure import auto_class, block_modules, decoder_body
+from lora_tune.models import shards
+from lora_tune.models.adapter import base_name
+from lora_tune.models.checkpoint_layout import CheckpointLayout
+from lora_tune.models.int8_sharded import ShardableLinear8bit
+from lora_tune.models.loading import WEIGHT_DTYPE, attention_implementation, load_config
+from lora_tune.models.structure import auto_class, block_modules, decoder_body
 
 log = logging.getLogger("lora_tune")
 

@@ -14,11 +14,11 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, BitsAndBytesConfig, FineGrainedFP8Config, Mxfp4Config
 from transformers.utils import is_flash_attn_2_available
 
-from lora_tune import attention
 from lora_tune.errors import UserError, first_line
-from lora_tune.loss import SOFTCAP_KEYS
-from lora_tune.model_structure import auto_class, decoder_body, model_class
-from lora_tune.tiny_configs import TEXT_VOCAB, shrink_config
+from lora_tune.models import attention
+from lora_tune.models.head import SOFTCAP_KEYS
+from lora_tune.models.structure import auto_class, decoder_body, model_class
+from lora_tune.models.tiny_configs import TEXT_VOCAB, shrink_config
 
 log = logging.getLogger("lora_tune")
 
@@ -78,7 +78,7 @@ def load_base_model(
 ):
     """The frozen base, on `device`, in `precision`; nothing trainable yet. `zero3`: the weights are
     built under zero.Init (a bf16/fp32 base), where DeepSpeed places each rank's partition itself
-    (no device_map). Quantized bases under ZeRO-3 or FSDP2 are streamed by lora_tune.layerwise."""
+    (no device_map). Quantized bases under ZeRO-3 or FSDP2 are streamed by lora_tune.models.layerwise."""
     if not allow_bin and not has_safetensors(base_path):
         raise UserError(
             f"--base: {base_path} has only pickle (.bin) weights, which can run code when loaded; convert them to safetensors "
@@ -153,7 +153,7 @@ def load_config(base_path: str, trust_remote_code: bool = False):
 
 def attention_implementation(cfg, config, device: torch.device) -> str:
     """--attn-implementation resolved: auto = flash_attention_2 when installed on a GPU and the model
-    supports it; on a CPU with packed rows and eager layers, sdpa_packed (`lora_tune.attention`) for
+    supports it; on a CPU with packed rows and eager layers, sdpa_packed (`lora_tune.models.attention`) for
     the models that call attention through transformers' interface; else sdpa (eager for the few
     models without sdpa)."""
     choice, cls = cfg.attn_implementation, model_class(config)

@@ -14,7 +14,7 @@ in a fraction of a second, while keeping what makes the family itself:
   MLA ranks (`q_lora_rank`, `kv_lora_rank`, `qk_rope_head_dim`, `qk_nope_head_dim`, `v_head_dim`);
   linear-attention (gated delta net) and SSM head layouts, with their divisibility constraints.
 * MoE: at most 4 routed experts, top-2, shared experts kept, routing groups kept (2 groups).
-* a small vocabulary (`vocab_size`, default 512 = `lora_tune.tiny_model.train_tiny_tokenizer()`)
+* a small vocabulary (`vocab_size`, default 512 = `lora_tune.models.tiny_model.train_tiny_tokenizer()`)
   with bos/eos/pad = 1/2/0 like that tokenizer; special multimodal token ids (image, video, audio,
   boi/eoi, ...) get ids just above it, which the text tokenizer never produces.
 * vision / audio towers: narrower, 2-4 layers (their layer-index lists remapped), hidden 64.
@@ -36,7 +36,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 
 # --- target sizes --------------------------------------------------------------------------------
-TEXT_VOCAB = 512  # lora_tune.tiny_model.train_tiny_tokenizer(); multimodal special ids go above it
+TEXT_VOCAB = 512  # lora_tune.models.tiny_model.train_tiny_tokenizer(); multimodal special ids go above it
 HIDDEN = 64
 INTERMEDIATE = 128
 EXPERT_INTERMEDIATE = 32
@@ -680,7 +680,7 @@ def _shrink_tree(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict)
 def shrink_config(config, vocab_size: int = TEXT_VOCAB, overrides: dict | None = None):
     """The smallest config of `config`'s family that keeps its structure (see the module doc).
 
-    `vocab_size`: the text vocabulary (512 = lora_tune.tiny_model.train_tiny_tokenizer()); the
+    `vocab_size`: the text vocabulary (512 = lora_tune.models.tiny_model.train_tiny_tokenizer()); the
     multimodal special tokens get ids just above it and the embedding grows to hold them.
     `overrides`: extra top-level updates, applied last (after OVERRIDES[model_type])."""
     config = copy.deepcopy(config)

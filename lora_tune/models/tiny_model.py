@@ -15,8 +15,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import CONFIG_MAPPING, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from lora_tune.model_structure import auto_class
-from lora_tune.tiny_configs import shrink_config
+from lora_tune.models.structure import auto_class
+from lora_tune.models.tiny_configs import shrink_config
 
 # A Llama-3-style template: every assistant turn ends with the EOS token, so a model trained on it
 # learns to stop. It is the template `tiny-llama` ships with.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from lora_tune import engines
+from lora_tune.engines import registry as engines
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes

@@ -15,10 +15,10 @@ import torch
 from huggingface_hub import hf_hub_download
 from transformers import AutoConfig
 
-from lora_tune.adapter import ROUTERS, Inventory, block_path, is_plain_linear, peft_accepted, resolve_targets
-from lora_tune.aliases import ALIASES, architecture, looks_like_path, resolve_base
 from lora_tune.errors import UserError, first_line
-from lora_tune.model_structure import block_modules, linear_name, meta_model, recurrent_layers
+from lora_tune.models.adapter import ROUTERS, Inventory, block_path, is_plain_linear, peft_accepted, resolve_targets
+from lora_tune.models.aliases import ALIASES, architecture, looks_like_path, resolve_base
+from lora_tune.models.structure import block_modules, linear_name, meta_model, recurrent_layers
 
 
 @dataclass(frozen=True)

@@ -37,11 +37,12 @@ import math
 import os
 from dataclasses import dataclass
 
-from lora_tune import engines, objectives
-from lora_tune.adapter import resolve_targets
+from lora_tune.engines import registry as engines
 from lora_tune.engines.spec import ModelStates
-from lora_tune.loss import auto_chunk_size
+from lora_tune.models.adapter import resolve_targets
+from lora_tune.models.head import auto_chunk_size
 from lora_tune.planner.architecture import Architecture
+from lora_tune.training.objectives import registry as objectives
 
 GIB = 2**30
 CUDA_CONTEXT = 512 * 2**20  # CUDA context + cuBLAS workspace: outside max_memory_allocated, but real
@@ -59,7 +60,7 @@ class Setup:
     gradient_checkpointing: bool = True
     kept_layers: int = 0  # with checkpointing: decoder layers (the last ones) that keep their activations
     optim: str = "adamw_8bit"
-    loss_chunk_size: int | None = None  # None: lora_tune.loss.auto_chunk_size; 0: full logits
+    loss_chunk_size: int | None = None  # None: lora_tune.models.head.auto_chunk_size; 0: full logits
     activation_offload: bool = False
     backend: str = "single"
     zero: int = 0
@@ -226,7 +227,7 @@ def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
         return whole, whole
     # Each checkpointed layer keeps its input (on the host with activation offload); one is rebuilt at a time.
     inputs = 0 if setup.activation_offload else recomputed * e * arch.hidden * setup.tokens
-    # The layers that keep their activations are the last ones (lora_tune.adapter): backward reaches
+    # The layers that keep their activations are the last ones (lora_tune.models.adapter): backward reaches
     # them first and frees theirs before it rebuilds a checkpointed layer, so a rebuilt layer adds to
     # the peak only when no layer keeps its activations (measured: keeping 1 of 4 layers peaks as
     # keeping none, each further kept layer adds one layer's activations).
@@ -236,7 +237,7 @@ def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
 def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
     """(saved between forward and backward, peak). Full logits: the loss keeps the fp32 upcast (and
     labels); backward adds the fp32 gradient while the compute-dtype logits exist: (8 + e) V per
-    token. Chunked (lora_tune.loss): one chunk of logits at a time in the compute dtype, fp32 and the
+    token. Chunked (lora_tune.models.head): one chunk of logits at a time in the compute dtype, fp32 and the
     fp32 softmax gradient, and the hidden-size gradient kept from forward to backward."""
     tokens = setup.tokens
     e = ELEMENT[setup.precision]

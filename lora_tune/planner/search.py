@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from lora_tune import engines
+from lora_tune.engines import registry as engines
 from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.memory import Estimate, Setup, estimate
 from lora_tune.planner.speed import relative_speed

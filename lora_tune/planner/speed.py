@@ -5,7 +5,7 @@ setups; not a prediction of absolute speed."""
 
 from __future__ import annotations
 
-from lora_tune import engines
+from lora_tune.engines import registry as engines
 from lora_tune.planner.memory import Setup
 
 SLOWDOWN = {

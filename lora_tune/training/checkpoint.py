@@ -32,7 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from safetensors.torch import save as safetensors_bytes
 
-from lora_tune import distributed as dist
+from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 
 MARKER = "COMPLETE"

@@ -40,8 +40,8 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.utils._triton import has_triton
 from transformers import PreTrainedModel
 
-from lora_tune.loss import CausalLMLoss, cross_entropy_chunk
-from lora_tune.model_structure import decoder_body
+from lora_tune.models.head import CausalLMLoss, cross_entropy_chunk
+from lora_tune.models.structure import decoder_body
 
 RECOMPILE_LIMIT = 64  # graphs per code object before Dynamo falls back to eager (its default: 8)
 

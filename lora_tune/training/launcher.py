@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from lora_tune import checkpoint as ckpt
-from lora_tune.distributed import LOST_PEER_EXIT
-from lora_tune.inputs import check_inputs
+from lora_tune.engines.ranks import LOST_PEER_EXIT
+from lora_tune.preflight import check_inputs
+from lora_tune.training import checkpoint as ckpt
 
 LAUNCHER_ENV = "LORA_TUNE_LAUNCHER"  # set for the ranks our launcher starts: the launcher's pid
 

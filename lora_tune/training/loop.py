@@ -16,17 +16,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from lora_tune import checkpoint as ckpt
-from lora_tune import distributed as dist
-from lora_tune import evaluation
-from lora_tune.adapter import save_adapter
-from lora_tune.batching import collate, pack_best_fit_decreasing
-from lora_tune.compilation import CompileStats
-from lora_tune.engines import Engine
+from lora_tune.after import evaluation
+from lora_tune.data.batching import collate, pack_best_fit_decreasing
+from lora_tune.engines import ranks as dist
+from lora_tune.engines.registry import Engine
 from lora_tune.errors import TrainingStopped
-from lora_tune.inputs import RunInputs, math_config
-from lora_tune.metrics import MetricsLog, Progress, peak_memory_bytes
+from lora_tune.models.adapter import save_adapter
 from lora_tune.planner import render
+from lora_tune.preflight import RunInputs, math_config
+from lora_tune.training import checkpoint as ckpt
+from lora_tune.training.compilation import CompileStats
+from lora_tune.training.metrics import MetricsLog, Progress, peak_memory_bytes
 
 log = logging.getLogger("lora_tune")
 
@@ -166,7 +166,7 @@ class TrainingLoop:
         try:
             while self.state.step < self.inputs.total_steps:
                 self._one_step()
-            if self.compile_stats and self.progress:  # rank 0; graphs of every kind of batch and pass (lora_tune.compilation)
+            if self.compile_stats and self.progress:  # rank 0; graphs of every kind of batch and pass (lora_tune.training.compilation)
                 self.progress.write(f"over the run: {self.compile_stats.line()}")
         finally:
             if self.progress:

@@ -1,8 +1,8 @@
 """The training recipe: setup -> train -> save -> cleanup.
 
-`setup` checks every input before anything heavy happens (`lora_tune.inputs`), takes the output
+`setup` checks every input before anything heavy happens (`lora_tune.preflight`), takes the output
 folder's lock, has the engine load the base and inject the adapter, and restores a checkpoint when
-resuming; `train` runs the loop (`lora_tune.loop`); `save` writes the final checkpoint and adapter;
+resuming; `train` runs the loop (`lora_tune.training.loop`); `save` writes the final checkpoint and adapter;
 `cleanup` closes the metrics and releases the lock, however the run ended. The recipe never asks
 which backend runs.
 """
@@ -14,15 +14,16 @@ from pathlib import Path
 
 import yaml
 
-from lora_tune import checkpoint as ckpt
-from lora_tune import compilation, engines
-from lora_tune import distributed as dist
-from lora_tune.adapter import add_lora
-from lora_tune.compilation import compile_regions
 from lora_tune.config import TrainConfig
-from lora_tune.inputs import check_inputs
-from lora_tune.loop import TrainingLoop
-from lora_tune.metrics import MetricsLog
+from lora_tune.engines import ranks as dist
+from lora_tune.engines import registry as engines
+from lora_tune.models.adapter import add_lora
+from lora_tune.preflight import check_inputs
+from lora_tune.training import checkpoint as ckpt
+from lora_tune.training import compilation
+from lora_tune.training.compilation import compile_regions
+from lora_tune.training.loop import TrainingLoop
+from lora_tune.training.metrics import MetricsLog
 
 log = logging.getLogger("lora_tune")
 

@@ -12,8 +12,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lora_tune
+from lora_tune.after.evaluation import flat_metrics, run_tasks
 from lora_tune.cli import main
-from lora_tune.evaluation import flat_metrics, run_tasks
 
 from helpers import ALPACA, fast_train_args, read_metrics, run_cli, single_error_line, write_jsonl
 

@@ -13,12 +13,12 @@ from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import lora_tune
+from lora_tune.after.export import gguf as gguf_format
+from lora_tune.after.export.gguf import FIXED_TEXT, fixed_prompts, gguf_logits, reading_config
+from lora_tune.after.export.gguf_lora import read_adapter_gguf
+from lora_tune.after.export.ollama import CHECK_CONVERSATION, predict, render, turn_pieces
 from lora_tune.cli import main
-from lora_tune.exporting import gguf as gguf_format
-from lora_tune.exporting.gguf import FIXED_TEXT, fixed_prompts, gguf_logits, reading_config
-from lora_tune.exporting.gguf_lora import read_adapter_gguf
-from lora_tune.exporting.ollama import CHECK_CONVERSATION, predict, render, turn_pieces
-from lora_tune.tiny_model import _CORPUS
+from lora_tune.models.tiny_model import _CORPUS
 
 from families import FAMILIES, build_family
 from helpers import TEXT, fast_train_args, run_cli, single_error_line, write_jsonl

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 from safetensors.torch import load_file as load
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from lora_tune.after.merge import lora_modules, unmerged_forward
 from lora_tune.cli import main
-from lora_tune.merger import lora_modules, unmerged_forward
-from lora_tune.tiny_model import build_tiny_llama, build_tiny_model
+from lora_tune.models.tiny_model import build_tiny_llama, build_tiny_model
 
 from helpers import TEXT, fast_train_args, run_cli, single_error_line, tree_digest, write_jsonl
 

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
+from lora_tune.after.reporting import run, summary
 from lora_tune.config import ReportConfig
 from lora_tune.errors import UserError
 from lora_tune.notebook import LivePlot
-from lora_tune.reporting import run, summary
 
 from helpers import run_cli, single_error_line, tmpfs, tree_digest
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lora_tune.model_loading import load_tokenizer
+from lora_tune.models.loading import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import lora_tune.data as data
-from lora_tune.data import prepare_data, sources
+import lora_tune.data.prepare as data_prepare
+from lora_tune.data import sources
+from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
-from lora_tune.model_loading import load_tokenizer
+from lora_tune.models.loading import load_tokenizer
 
 from helpers import data_config, fast_train_args, run_cli, tmpfs, write_jsonl
 
@@ -28,7 +29,7 @@ def test_the_cache_is_hit_by_a_second_run_and_missed_when_anything_changes(tmp_p
     def no_tokenizing(*a, **k):
         raise AssertionError("a cache hit must not tokenize")
 
-    monkeypatch.setattr(data, "Tokenize", no_tokenizing)
+    monkeypatch.setattr(data_prepare, "Tokenize", no_tokenizing)
     second = prepare_data(data_config(path, **options), tokenizer)  # another run (any output folder, or a resume)
     assert [s.input_ids for s in second.train] == [s.input_ids for s in first.train] and second.fingerprint == first.fingerprint
     monkeypatch.undo()
@@ -51,7 +52,7 @@ def test_processes_share_one_build_of_a_source(tmp_path, tiny_model):
     path = write_jsonl(tmp_path / "s.jsonl", [{"text": f"shared {i}"} for i in range(200)])
     script = (
         "import sys, logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
-        "from lora_tune.config import TrainConfig; from lora_tune.data import prepare_data; from lora_tune.model_loading "
+        "from lora_tune.config import TrainConfig; from lora_tune.data import prepare_data; from lora_tune.models.loading "
         "import load_tokenizer\n"
         f"cfg = TrainConfig(base='b', data={str(path)!r}, output_dir='o', data_cache_dir={str(tmp_path / 'cache')!r})\n"
         f"print(len(prepare_data(cfg, load_tokenizer({str(tiny_model)!r})).train))\n"

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from lora_tune.data import Sample
 from lora_tune.data.formats import detect
 from lora_tune.data.formats.alpaca import NO_INPUT as ALPACA_NO_INPUT
+from lora_tune.data.prepare import Sample
 from lora_tune.data.tokenize import KEPT
 from lora_tune.errors import UserError
-from lora_tune.loss import IGNORE
-from lora_tune.model_loading import load_tokenizer
+from lora_tune.models.head import IGNORE
+from lora_tune.models.loading import load_tokenizer
 
 from helpers import tokenize_one, tokenize_rows, trained_spans
 

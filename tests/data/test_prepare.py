@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lora_tune.data import prepare_data
+from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
 
 from helpers import data_config, write_jsonl

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import lora_tune.inputs
+import lora_tune.preflight
 from lora_tune.data.formats.alpaca import NO_INPUT
 from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
@@ -64,7 +64,7 @@ def test_bad_eval_prompts_are_refused_before_the_data_stage(tiny_model, data_fil
     def no_data_stage(*a, **k):
         raise AssertionError("the prompts must be checked before the data is tokenized")
 
-    monkeypatch.setattr(lora_tune.inputs, "prepare_data", no_data_stage)
+    monkeypatch.setattr(lora_tune.preflight, "prepare_data", no_data_stage)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "ok"}\n[1]\n')
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "run", eval_prompts=prompts), capsys)

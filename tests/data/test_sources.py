@@ -6,7 +6,7 @@ from __future__ import annotations
 import datasets
 import pytest
 
-from lora_tune.data import prepare_data
+from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
 
 from helpers import data_config, write_jsonl

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lora_tune.data import prepare_data
+from lora_tune.data.prepare import prepare_data
 from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, TRUNCATED
 
 from helpers import data_config, tokenize_one, write_jsonl

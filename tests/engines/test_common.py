@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_tune.engines import common
-from lora_tune.model_loading import load_base_model
+from lora_tune.models.loading import load_base_model
 
 
 def cfg(**kw):

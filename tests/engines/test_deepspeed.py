@@ -7,8 +7,8 @@ import json
 import pytest
 
 from lora_tune.config import TrainConfig
-from lora_tune.engines import check_compatibility
 from lora_tune.engines.deepspeed import deepspeed_config, place
+from lora_tune.engines.registry import check_compatibility
 from lora_tune.engines.spec import ModelStates
 
 from helpers import ROOT

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_tune import distributed as dist
+from lora_tune.engines import ranks as dist
 
 
 def test_without_a_process_group_everything_is_this_process():

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from lora_tune.engines import Cell, supported_cells
+from lora_tune.engines.registry import Cell, supported_cells
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import base_weight_bytes
 

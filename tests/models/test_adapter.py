@@ -13,7 +13,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Group
 from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.models.llama4.modeling_llama4 import Llama4Router
 
-from lora_tune.adapter import (
+from lora_tune.config import TrainConfig
+from lora_tune.errors import UserError
+from lora_tune.models.adapter import (
     Inventory,
     adaptation_mismatch,
     add_lora,
@@ -27,11 +29,9 @@ from lora_tune.adapter import (
     save_adapter,
     trainable_state_dict,
 )
-from lora_tune.config import TrainConfig
-from lora_tune.errors import UserError
-from lora_tune.model_loading import load_base_model, load_config
-from lora_tune.model_structure import meta_model
-from lora_tune.tiny_configs import shrink_config
+from lora_tune.models.loading import load_base_model, load_config
+from lora_tune.models.structure import meta_model
+from lora_tune.models.tiny_configs import shrink_config
 
 from families import build_family
 

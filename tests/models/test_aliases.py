@@ -8,8 +8,8 @@ import pytest
 from huggingface_hub import constants
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lora_tune.aliases import ALIASES, architecture, resolve_base
 from lora_tune.errors import UserError
+from lora_tune.models.aliases import ALIASES, architecture, resolve_base
 from lora_tune.planner.architecture import Architecture
 
 from helpers import run_cli

@@ -11,9 +11,9 @@ import torch
 from torch.profiler import profile
 from transformers import AutoModelForCausalLM, LlamaConfig, MambaConfig
 
-from lora_tune import attention
 from lora_tune.errors import UserError
-from lora_tune.model_loading import attention_implementation
+from lora_tune.models import attention
+from lora_tune.models.loading import attention_implementation
 
 from families import family_configs
 

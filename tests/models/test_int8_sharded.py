@@ -6,7 +6,7 @@ from __future__ import annotations
 import bitsandbytes as bnb
 import torch
 
-from lora_tune.int8_sharded import ShardableLinear8bit, dequantize
+from lora_tune.models.int8_sharded import ShardableLinear8bit, dequantize
 
 
 def quantized_layer(weight: torch.Tensor) -> ShardableLinear8bit:

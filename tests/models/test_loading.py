@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, BloomConfig, LlamaConfig, MambaConfig, MambaForCausalLM
 
-import lora_tune.model_loading as model_loading
+import lora_tune.models.loading as model_loading
 from lora_tune.errors import UserError
-from lora_tune.model_loading import attention_implementation, checkpointing_refusal, load_base_model, packing_refusal
-from lora_tune.tiny_model import build_tiny_model, train_tiny_tokenizer
+from lora_tune.models.loading import attention_implementation, checkpointing_refusal, load_base_model, packing_refusal
+from lora_tune.models.tiny_model import build_tiny_model, train_tiny_tokenizer
 
 from helpers import fast_train_args, read_metrics, run_cli
 

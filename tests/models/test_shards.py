@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from lora_tune import shards
 from lora_tune.errors import UserError
+from lora_tune.models import shards
 
 
 @pytest.fixture

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from lora_tune.adapter import Inventory
-from lora_tune.model_structure import auto_class, body_path, decoder_body, meta_model, model_class
-from lora_tune.tiny_configs import shrink_config
+from lora_tune.models.adapter import Inventory
+from lora_tune.models.structure import auto_class, body_path, decoder_body, meta_model, model_class
+from lora_tune.models.tiny_configs import shrink_config
 
 
 def shrink(model_type: str):

@@ -9,17 +9,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lora_tune.adapter import Checkpointing, add_lora
-from lora_tune.batching import collate
 from lora_tune.config import TrainConfig
-from lora_tune.data import Sample
+from lora_tune.data.batching import collate
+from lora_tune.data.prepare import Sample
 from lora_tune.engines.single import SingleDeviceEngine
-from lora_tune.loss import CausalLMLoss
-from lora_tune.model_loading import compute_dtype, load_base_model
+from lora_tune.models.adapter import Checkpointing, add_lora
+from lora_tune.models.head import CausalLMLoss
+from lora_tune.models.loading import compute_dtype, load_base_model
+from lora_tune.models.tiny_model import build_tiny_llama
 from lora_tune.planner import memory as plan
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.measured import cpu_tensor_peak
-from lora_tune.tiny_model import build_tiny_llama
 
 from helpers import run_cli
 

@@ -11,7 +11,7 @@ import pytest
 
 from lora_tune.cli import build_parser, config_from_args
 from lora_tune.config import TrainConfig
-from lora_tune.engines import check_compatibility
+from lora_tune.engines.registry import check_compatibility
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import GPUS
 from lora_tune.planner.memory import Setup, estimate

@@ -9,8 +9,8 @@ from enum import Enum
 import pytest
 import torch
 
-from lora_tune import checkpoint as ckpt
 from lora_tune.errors import UserError
+from lora_tune.training import checkpoint as ckpt
 
 from helpers import fast_train_args, run_cli, tree_digest
 

@@ -13,9 +13,9 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
-from lora_tune import compilation
-from lora_tune.compilation import compile_layers, decoder_layers
-from lora_tune.tiny_model import build_tiny_llama
+from lora_tune.models.tiny_model import build_tiny_llama
+from lora_tune.training import compilation
+from lora_tune.training.compilation import compile_layers, decoder_layers
 
 from helpers import ALPACA, fast_train_args, read_metrics, run_cli, write_jsonl
 

@@ -15,7 +15,7 @@ import sys
 import psutil
 import pytest
 
-from lora_tune import checkpoint as ckpt
+from lora_tune.training import checkpoint as ckpt
 
 from helpers import fast_train_args, start, step_losses, wait_for_steps
 

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
-from lora_tune.batching import permutation
+from lora_tune.data.batching import permutation
 from lora_tune.engines.single import SingleDeviceEngine
 
 from helpers import adapter_tensors, fast_train_args, run_cli, write_jsonl

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_tune.errors import UserError
-from lora_tune.metrics import MetricsLog, check_reporter, peak_memory_bytes
+from lora_tune.training.metrics import MetricsLog, check_reporter, peak_memory_bytes
 
 from helpers import fast_train_args, read_metrics, run_cli
 

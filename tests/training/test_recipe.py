@@ -13,13 +13,13 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from lora_tune.adapter import checkpointed_layers
 from lora_tune.cli import setup_logging
 from lora_tune.config import TrainConfig
+from lora_tune.models.adapter import checkpointed_layers
+from lora_tune.models.tiny_model import build_tiny_llama
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import estimate, setup_from
-from lora_tune.recipe import Recipe
-from lora_tune.tiny_model import build_tiny_llama
+from lora_tune.training.recipe import Recipe
 
 from helpers import FAST, adapter_tensors, fast_train_args, read_metrics, run_cli, write_jsonl
 

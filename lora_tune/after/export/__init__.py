@@ -2,7 +2,7 @@
 adapter, or an Ollama folder (GGUF + Modelfile); read back and verified before it is put in place.
 
 The source is read as `merge` reads it: from a run, each tensor of the full-precision base is merged
-with the adapter in fp32 (lora_tune.merger's TensorMerger) and handed to the writer one at a time;
+with the adapter in fp32 (lora_tune.after.merge's TensorMerger) and handed to the writer one at a time;
 from a merged folder, tensors are read shard by shard. Either way nothing holds the whole model.
 
 Everything goes into a hidden temporary folder next to --output; the file is verified there and only
@@ -17,11 +17,11 @@ import shutil
 import time
 from pathlib import Path
 
+from lora_tune.after.export import gguf as gguf_format
+from lora_tune.after.export import gguf_lora, ollama
+from lora_tune.after.export.files import Source, check_output, open_source, put_in_place
 from lora_tune.config import ExportConfig
 from lora_tune.errors import UserError
-from lora_tune.exporting import gguf as gguf_format
-from lora_tune.exporting import gguf_lora, ollama
-from lora_tune.exporting.files import Source, check_output, open_source, put_in_place
 
 log = logging.getLogger("lora_tune")
 

@@ -15,11 +15,12 @@ import torch
 from peft import PeftModel
 from transformers.utils import logging as hf_logging
 
-from lora_tune import merger, shards
+from lora_tune.after import merge as merger
 from lora_tune.config import ExportConfig
 from lora_tune.errors import UserError
-from lora_tune.model_loading import load_config
-from lora_tune.model_structure import auto_class
+from lora_tune.models import shards
+from lora_tune.models.loading import load_config
+from lora_tune.models.structure import auto_class
 
 
 @dataclass

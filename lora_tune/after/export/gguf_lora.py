@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lora_tune import merger, serving
+from lora_tune.after import merge as merger
+from lora_tune.after import serving
+from lora_tune.after.export import gguf as gguf_format
+from lora_tune.after.export.files import peft_logits, put_in_place
 from lora_tune.errors import UserError
-from lora_tune.exporting import gguf as gguf_format
-from lora_tune.exporting.files import peft_logits, put_in_place
 
 log = logging.getLogger("lora_tune")
 

@@ -39,15 +39,15 @@ from safetensors.torch import load_file
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
-from lora_tune import checkpoint as ckpt
-from lora_tune import shards
-from lora_tune.adapter import lora_layers, lora_target
-from lora_tune.aliases import resolve_base
-from lora_tune.checkpoint_layout import CheckpointLayout
 from lora_tune.config import MergeConfig, parse_size
 from lora_tune.errors import UserError, first_line, sigterm_stops
-from lora_tune.model_loading import dequantizing, load_config, quant_method
-from lora_tune.model_structure import auto_class, meta_model, model_class, text_ids
+from lora_tune.models import shards
+from lora_tune.models.adapter import lora_layers, lora_target
+from lora_tune.models.aliases import resolve_base
+from lora_tune.models.checkpoint_layout import CheckpointLayout
+from lora_tune.models.loading import dequantizing, load_config, quant_method
+from lora_tune.models.structure import auto_class, meta_model, model_class, text_ids
+from lora_tune.training import checkpoint as ckpt
 
 log = logging.getLogger("lora_tune")
 

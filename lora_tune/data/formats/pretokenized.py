@@ -2,7 +2,7 @@
 optional `attention_mask` (0 marks padding, which is removed)."""
 
 from lora_tune.errors import UserError
-from lora_tune.loss import IGNORE
+from lora_tune.models.head import IGNORE
 
 NAME = "pretokenized"
 COLUMNS = ("input_ids",)

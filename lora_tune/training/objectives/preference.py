@@ -1,6 +1,6 @@
 """Preference objectives on LoRA: DPO, IPO, ORPO, SimPO and KTO as one loss module.
 
-Every engine trains it the way it trains the SFT loss (`lora_tune.loss.CausalLMLoss`): the peft
+Every engine trains it the way it trains the SFT loss (`lora_tune.models.head.CausalLMLoss`): the peft
 model, and a forward that returns the step's share of the loss. A micro-batch holds units of two
 sequences (a pair's chosen and rejected answer; a KTO row's completion and its KL sequence, its
 prompt with another row's completion), packed into rows like SFT samples or one per row; the head
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lora_tune.loss import IGNORE, SOFTCAP_KEYS, auto_chunk_size, sequence_log_probs, shifted_hidden
+from lora_tune.models.head import IGNORE, SOFTCAP_KEYS, auto_chunk_size, sequence_log_probs, shifted_hidden
 
 OBJECTIVES = ("dpo", "ipo", "orpo", "simpo", "kto")
 WITH_REFERENCE = ("dpo", "ipo", "kto")

@@ -8,15 +8,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_tune.errors import UserError
-from lora_tune.loss import CausalLMLoss
-from lora_tune.preference import WITH_REFERENCE, PreferenceLoss
+from lora_tune.models.head import CausalLMLoss
+from lora_tune.training.objectives.preference import WITH_REFERENCE, PreferenceLoss
 
 
 @dataclass(frozen=True)
 class Objective:
     name: str
     data: str  # the kind of data it trains on (lora_tune.data.formats.kind): sft | pairs | unpaired
-    units: bool  # batches of units whose sequences are scored whole (lora_tune.batching.collate)
+    units: bool  # batches of units whose sequences are scored whole (lora_tune.data.batching.collate)
     sequences_per_unit: int  # a packed row holds this many sequences of up to --max-seq-len per unit
     reference: bool  # compares against the model at the start of training
 

@@ -1,4 +1,4 @@
-"""Preference objectives (lora_tune/preference.py): the same numbers as TRL's trainers on the same
+"""Preference objectives (lora_tune/training/objectives/preference.py): the same numbers as TRL's trainers on the same
 pairs, packed or padded, chunked or full logits; and through the CLI and the API: ln 2 at a
 zero-initialised start, a rule learned, the reference precomputed or per step, --init-adapter."""
 
@@ -15,10 +15,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lora_tune
-from lora_tune.batching import collate
-from lora_tune.data import prepare_data
-from lora_tune.loop import REFERENCE_FILE
-from lora_tune.preference import PreferenceLoss
+from lora_tune.data.batching import collate
+from lora_tune.data.prepare import prepare_data
+from lora_tune.training.loop import REFERENCE_FILE
+from lora_tune.training.objectives.preference import PreferenceLoss
 
 from helpers import FAST, data_config, fast_train_args, read_metrics, run_cli, step_losses, write_jsonl
 
