@@ -85,6 +85,7 @@ import json, logging, re, sys
 import torch
 from lora_tune.cli import build_parser, config_from_args, quiet_libraries, setup_logging
 from lora_tune.config import TrainConfig
+from lora_tune.preflight import check_inputs
 from lora_tune.training.recipe import Recipe
 cfg = json.loads(sys.argv[3])
 seen = {"reference_seconds": 0.0}
@@ -102,7 +103,7 @@ run = config_from_args(TrainConfig, build_parser().parse_args(argv))
 setup_logging()
 quiet_libraries(True)
 logging.getLogger("lora_tune").addHandler(Watch())
-recipe = Recipe(run)  # the recipe's stages, so the RSS is read when training starts
+recipe = Recipe(check_inputs(run))  # the recipe's stages, so the RSS is read when training starts
 try:
     recipe.setup()
     seen["before"] = rss()

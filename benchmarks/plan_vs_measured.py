@@ -27,10 +27,10 @@ from lora_tune.data.batching import collate
 from lora_tune.data.prepare import Sample
 from lora_tune.engines.single import SingleDeviceEngine
 from lora_tune.models.adapter import add_lora
-from lora_tune.models.head import CausalLMLoss
 from lora_tune.models.loading import load_base_model
 from lora_tune.planner import architecture
 from lora_tune.planner import memory as plan
+from lora_tune.training.objectives.sft import CausalLMLoss
 
 LLAMA3_8B = {
     "model_type": "llama",

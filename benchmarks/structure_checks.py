@@ -84,7 +84,7 @@ def check(model_type: str) -> dict:
     from peft import get_peft_model
 
     from lora_tune.config import TrainConfig
-    from lora_tune.models.adapter import Inventory, lora_config, resolve_targets
+    from lora_tune.models.targets import Inventory, lora_config, resolve_targets
 
     cfg = TrainConfig(base="x", data="x.jsonl", output_dir="o", rank=4)
     try:

@@ -32,7 +32,7 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from lora_tune import planner  # noqa: E402
 from lora_tune.after import evaluation, reporting, serving  # noqa: E402
 from lora_tune.after import export as exporting  # noqa: E402
-from lora_tune.after import merge as merger  # noqa: E402
+from lora_tune.after import merge as merging  # noqa: E402  (merge is this module's own function)
 from lora_tune.config import (  # noqa: E402
     CheckServingConfig,
     EvalConfig,
@@ -44,12 +44,13 @@ from lora_tune.config import (  # noqa: E402
     build_config,
     read_yaml,
 )
-from lora_tune.engines import ranks as distributed  # noqa: E402
+from lora_tune.engines import ranks  # noqa: E402
 from lora_tune.engines import registry as engines  # noqa: E402
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
 from lora_tune.models.aliases import resolve_base  # noqa: E402
 from lora_tune.models.loading import WEIGHT_DTYPE, load_config  # noqa: E402
 from lora_tune.models.structure import auto_class  # noqa: E402
+from lora_tune.preflight import check_inputs  # noqa: E402
 from lora_tune.training import launcher, recipe  # noqa: E402
 from lora_tune.training.metrics import read_records  # noqa: E402
 
@@ -87,7 +88,8 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
     full disk), after it saved what it could."""
     cfg = _config(TrainConfig, config, options)
     _quiet(cfg)
-    if (cfg.nproc or engines.spec_of(cfg).multi_process) and not distributed.launched():
+    if (cfg.nproc or engines.spec_of(cfg).multi_process) and not ranks.launched():
+        check_inputs(cfg)  # once, before the ranks start: bad input is one UserError here
         # The ranks are `lora-tune train --config FILE` processes: the resolved options, in a file.
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump({k: v for k, v in cfg.model_dump().items() if k != "nproc"}, f)
@@ -98,7 +100,7 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        recipe.run(cfg, on_metrics=callback)
+        recipe.run(check_inputs(cfg), on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
 
 
@@ -131,7 +133,7 @@ def merge(config: str | Path | dict | None = None, **options) -> Path:
     """Fold an adapter into its full-precision base, verified (`lora-tune merge`); returns the folder."""
     cfg = _config(MergeConfig, config, options)
     _quiet(cfg)
-    return merger.run(cfg)
+    return merging.run(cfg)
 
 
 def report(run_dir: str | Path, output: str | Path | None = None) -> Path:

@@ -254,37 +254,38 @@ def without_flags(argv: list[str], *names: str) -> list[str]:
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
-    from lora_tune.engines import ranks as distributed  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.engines import ranks  # noqa: PLC0415 - start-up time: each command loads only its own modules
     from lora_tune.engines import registry as engines  # noqa: PLC0415 - start-up time: each command loads only its own modules
-    from lora_tune.training import launcher  # noqa: PLC0415 - start-up time: each command loads only its own modules
-    from lora_tune.training.recipe import run  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.preflight import check_inputs  # noqa: PLC0415 - start-up time: each command loads only its own modules
+    from lora_tune.training import launcher, recipe  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one that matters
     cfg = config_from_args(TrainConfig, args)
-    if (cfg.nproc or engines.spec_of(cfg).multi_process) and not distributed.launched():
+    if (cfg.nproc or engines.spec_of(cfg).multi_process) and not ranks.launched():
         # Validate once here, in one line, before starting N processes that would each fail.
         # Its summaries (data, memory plan) are left to rank 0, which prints them again.
         logging.getLogger("lora_tune").setLevel(logging.WARNING)
+        check_inputs(cfg)
         resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
         return launcher.launch_job(cfg, without_flags(argv, "--nproc"), resume)
     if os.environ.get(launcher.LAUNCHER_ENV, "").isdigit():  # a rank of our --nproc launcher: stop when it dies
-        distributed.stop_with_parent(int(os.environ[launcher.LAUNCHER_ENV]))
+        launcher.stop_with_parent(int(os.environ[launcher.LAUNCHER_ENV]))
     try:
-        run(cfg)
+        recipe.run(check_inputs(cfg))
     except TrainingStopped as stop:
         print(f"{stop.label}: {stop}", file=sys.stderr)
         return stop.exit_code
     except Exception as e:
-        if not distributed.lost_peer(e):
+        if not launcher.lost_peer(e):
             raise
         # Another rank died (killed, crashed): this one can't go on. Under our launcher the
         # launcher says what happened, once; under torchrun each rank says it here.
         if launcher.LAUNCHER_ENV not in os.environ:
             print(
-                f"error: rank {distributed.rank()} lost contact with the other ranks ({first_line(e)[:200]}); resume with --resume",
+                f"error: rank {ranks.rank()} lost contact with the other ranks ({first_line(e)[:200]}); resume with --resume",
                 file=sys.stderr,
             )
-        return distributed.LOST_PEER_EXIT
+        return launcher.LOST_PEER_EXIT
     return 0
 
 
@@ -312,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
 
             return planner.run(config_from_args(PlanConfig, args))
         if args.command == "merge":
-            from lora_tune.after import merge as merger  # noqa: PLC0415 - start-up time: each command loads only its own modules
+            from lora_tune.after import merge  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
-            merger.run(config_from_args(MergeConfig, args))
+            merge.run(config_from_args(MergeConfig, args))
             return 0
         if args.command in ("eval", "export", "check-serving"):
             if hasattr(args, "source_arg"):  # SOURCE given positionally (the --source flag says the same)
@@ -324,9 +325,9 @@ def main(argv: list[str] | None = None) -> int:
 
                 evaluation.run(config_from_args(EvalConfig, args))
             elif args.command == "export":
-                from lora_tune.after import export as exporting  # noqa: PLC0415 - start-up time: each command loads only its own modules
+                from lora_tune.after import export  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
-                exporting.run(config_from_args(ExportConfig, args))
+                export.run(config_from_args(ExportConfig, args))
             else:
                 from lora_tune.after import serving  # noqa: PLC0415 - start-up time: each command loads only its own modules
 

@@ -9,6 +9,7 @@ lora_tune.train(..., callback=plot)                      # loss, tokens/s and me
 from __future__ import annotations
 
 import html
+from functools import partial
 from pathlib import Path
 
 from lora_tune.after import reporting
@@ -39,7 +40,7 @@ def show_samples(data, base: str, n: int = 3, max_seq_len: int = 2048, **options
         base=base, data=data if isinstance(data, list) else str(data), output_dir="unused", max_seq_len=max_seq_len, **options
     )
     tokenizer = load_tokenizer(resolve_base(base), cfg.trust_remote_code)
-    prepared = prepare_data(cfg, tokenizer)
+    prepared = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objectives.of(cfg)))
     names = SEQUENCE_NAMES.get(objectives.of(cfg).data, ())
     pages = []
     for i in range(min(n, len(prepared.train))):

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lora_tune import preflight as inputs
 from lora_tune.config import TrainConfig
+from lora_tune.models import shards
+from lora_tune.training import run_folder
 
 from helpers import fast_train_args, read_metrics, run_cli, single_error_line, tmpfs, tree_digest, write_jsonl
 
@@ -104,7 +105,7 @@ def test_resume_of_a_finished_run_whose_checkpoints_were_deleted_changes_nothing
     before = tree_digest(out)
     code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=4, resume=True), capsys)
     assert code == 2
-    assert single_error_line(err) == "error: " + inputs.FINISHED_RUN.format(out=out)
+    assert single_error_line(err) == "error: " + run_folder.FINISHED_RUN.format(out=out)
     assert f"--init-adapter {out} --output-dir NEW" in err
     assert tree_digest(out) == before, "nothing of the finished run may change"
 
@@ -139,10 +140,10 @@ def test_resume_refuses_another_world_size_even_with_allow_config_change(tiny_mo
 
 def test_the_world_size_a_resume_compares_is_the_jobs(monkeypatch):
     cfg = TrainConfig(base="b", data="d.jsonl", output_dir="o", nproc=4)
-    assert inputs.run_world_size(cfg) == 4  # the --nproc launcher checks before starting its ranks
+    assert run_folder.run_world_size(cfg) == 4  # the --nproc launcher checks before starting its ranks
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    assert inputs.run_world_size(cfg) == 3  # inside a job: the launcher's world
+    assert run_folder.run_world_size(cfg) == 3  # inside a job: the launcher's world
 
 
 @pytest.mark.parametrize("name", ["metrics.jsonl", "lora_tune_config.yaml", "tokenizer.json", "adapter_model.safetensors", "tensorboard"])
@@ -169,9 +170,8 @@ def test_a_read_only_output_folder_is_one_line_before_loading(tiny_model, data_f
 def test_a_hub_base_is_fingerprinted_from_its_local_snapshot(tiny_model, tmp_path, monkeypatch):
     snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
     shutil.copytree(tiny_model, snapshot)
-    cfg = TrainConfig(base="org/tiny", data="d.jsonl", output_dir="o")
-    monkeypatch.setattr(inputs, "try_to_load_from_cache", lambda repo, name: str(snapshot / name) if repo == "org/tiny" else None)
-    assert inputs.base_fingerprint(cfg, "org/tiny") == inputs.base_fingerprint(cfg, str(tiny_model))
-    assert inputs.base_fingerprint(cfg, "org/elsewhere") is None  # not in the cache: from_pretrained downloads it
+    monkeypatch.setattr(shards, "try_to_load_from_cache", lambda repo, name: str(snapshot / name) if repo == "org/tiny" else None)
+    assert shards.base_fingerprint("org/tiny", False) == shards.base_fingerprint(str(tiny_model), False)
+    assert shards.base_fingerprint("org/elsewhere", False) is None  # not in the cache: from_pretrained downloads it
     (snapshot / "model.safetensors").unlink()  # not all downloaded yet
-    assert inputs.base_fingerprint(cfg, "org/tiny") is None
+    assert shards.base_fingerprint("org/tiny", False) is None

@@ -18,11 +18,16 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError, did_you_mean
 from lora_tune.models.aliases import resolve_base
+
+if TYPE_CHECKING:
+    from lora_tune.config import TrainConfig
 
 log = logging.getLogger("lora_tune")
 RESULTS_FILE = "eval_results.json"
@@ -216,3 +221,23 @@ def read_results(run_dir: Path) -> dict | None:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
+
+
+def task_scorer(cfg: TrainConfig):
+    """--eval-tasks, checked before training: the task names now, and a model sharded over several
+    processes is scored after training instead (`lora-tune eval`). Returns what the loop calls at
+    each evaluation, `(peft model, tokenizer) -> metrics record`, or None."""
+    if not cfg.eval_tasks:
+        return None
+    if engines.spec_of(cfg).multi_process:
+        raise UserError(
+            f"--eval-tasks scores the model in one process; with --backend {engines.backend_name(cfg)} leave it out and run "
+            "`lora-tune eval OUTPUT_DIR --tasks ...` after training"
+        )
+    require_lm_eval()
+    check_tasks(task_manager(cfg.eval_tasks_include), cfg.eval_tasks)
+
+    def score(peft_model, tokenizer) -> dict[str, float]:
+        return flat_metrics(run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include))
+
+    return score

@@ -200,7 +200,7 @@ def how_to_serve(engine: str, facts: AdapterFacts, base: str, adapter_dir: str) 
 def check_config(cfg, targets, model_type: str) -> None:
     """Training-time check for `--serve-with ENGINE`: the options that would make the adapter
     unservable there are refused in one line, before loading, with what to do instead. `targets`
-    is lora_tune.models.adapter.Targets as resolved for the run (None: only the options are checked)."""
+    is lora_tune.models.targets.Targets as resolved for the run (None: only the options are checked)."""
     engine = getattr(cfg, "serve_with", None)
     if not engine:
         return

@@ -27,7 +27,6 @@ import torch
 from lora_tune.data import cache, formats, sources
 from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
 from lora_tune.errors import UserError, first_line
-from lora_tune.training.objectives import registry as objectives
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
 
@@ -229,21 +228,23 @@ def select(datasets_: list, picks: list[tuple[int, int]]):
     return datasets.concatenate_datasets(datasets_).select([offsets[s] + i for s, i in picks])
 
 
-def check_objective(cfg, data_sources, built) -> None:
-    """Every source's format is data the objective trains on (pairs for DPO, ...)."""
-    objective = objectives.of(cfg)
+def check_kinds(refusal, data_sources, built) -> None:
+    """Every source's format is data the objective trains on (pairs for DPO, ...): `refusal(kind,
+    format, where)` says why not (the objective's rule, `lora_tune.training.objectives`), or None."""
     for source, (_, meta) in zip(data_sources, built):
-        reason = objectives.data_refusal(
-            objective, formats.kind(formats.BY_NAME[meta["format"]]), meta["format"], f"{source.option} {source.label}"
-        )
+        reason = refusal(formats.kind(formats.BY_NAME[meta["format"]]), meta["format"], f"{source.option} {source.label}")
         if reason:
             raise UserError(reason)
 
 
-def prepare_data(cfg, tokenizer) -> PreparedData:
+def prepare_data(cfg, tokenizer, refusal=None) -> PreparedData:
+    """The training (and evaluation) samples of --data, tokenized (from the cache when there),
+    mixed, and split. `refusal(kind, format, where)`: the objective's word on each source's kind of
+    data, checked as soon as it is known (None: any kind)."""
     train_sources = sources.parse_sources(cfg.data, getattr(cfg, "data_weights", None), getattr(cfg, "data_columns", None))
     built = [tokenized_source(s, tokenizer, cfg) for s in train_sources]
-    check_objective(cfg, train_sources, built)
+    if refusal:
+        check_kinds(refusal, train_sources, built)
     picks, counts = mix([d for d, _ in built], [s.weight for s in train_sources], cfg.seed)
     stats, per_source = DataStats(), []
     for source, (ds, meta), count in zip(train_sources, built, counts):
@@ -263,7 +264,8 @@ def prepare_data(cfg, tokenizer) -> PreparedData:
     if cfg.eval_data:
         eval_sources = sources.parse_sources(cfg.eval_data, None, getattr(cfg, "data_columns", None), "--eval-data")
         eval_built = [tokenized_source(s, tokenizer, cfg) for s in eval_sources]
-        check_objective(cfg, eval_sources, eval_built)
+        if refusal:
+            check_kinds(refusal, eval_sources, eval_built)
         eval_keys = [meta["key"] for _, meta in eval_built]
         eval_picks, _ = mix([d for d, _ in eval_built], [None] * len(eval_built), cfg.seed)
         eval_ds = select([d for d, _ in eval_built], eval_picks)

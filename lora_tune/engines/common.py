@@ -13,8 +13,8 @@ import torch
 from transformers import get_scheduler
 
 from lora_tune.engines import ranks as dist
+from lora_tune.engines import state as state_files
 from lora_tune.models.loading import compute_dtype
-from lora_tune.training import checkpoint as ckpt
 
 
 def build_optimizer(name: str, params, lr: float, weight_decay: float):
@@ -151,15 +151,15 @@ def state_name(kind: str) -> str:
 def save_rank_state(folder: Path, optimizer, scheduler, **extra) -> None:
     """Optimizer, schedule (and any extra state dicts) of this rank as safetensors + JSON, and its RNG."""
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), **extra}
-    ckpt.save_safe_state(folder, state_name("training_state"), state)
-    ckpt.save_rng(folder / f"{state_name('rng_state')}.safetensors")
+    state_files.save_safe_state(folder, state_name("training_state"), state)
+    state_files.save_rng(folder / f"{state_name('rng_state')}.safetensors")
 
 
 def load_rank_state(folder: Path) -> dict:
     """What save_rank_state wrote for this rank; restores the RNG. The caller loads the state dicts
     into its optimizer and schedule (the backends differ in how)."""
-    state = ckpt.load_safe_state(folder, state_name("training_state"))
-    ckpt.load_rng(folder / f"{state_name('rng_state')}.safetensors")
+    state = state_files.load_safe_state(folder, state_name("training_state"))
+    state_files.load_rng(folder / f"{state_name('rng_state')}.safetensors")
     return state
 
 

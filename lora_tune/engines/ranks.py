@@ -7,11 +7,7 @@ the collectives (gathering LoRA weights, barriers), so none waits for another fo
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
-import threading
-import time
 
 import torch
 
@@ -74,39 +70,3 @@ def all_sum_tensor(t: torch.Tensor) -> torch.Tensor:
     return out.to(device=t.device, dtype=t.dtype)
 
 
-LOST_PEER_EXIT = 75  # a rank's exit code when another rank died under it
-
-
-def lost_peer(error: BaseException) -> bool:
-    """True for the errors a collective raises when another rank has died mid-run."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    text = str(error)
-    return isinstance(error, torch.distributed.DistError) or any(
-        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
-    )
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def stop_with_parent(parent: int) -> None:
-    """Have this process get SIGTERM when `parent` (the --nproc launcher) dies, however it dies
-    (SIGKILL included): the rank then finishes its step, checkpoints with the others and exits,
-    instead of training on without the launcher's lock and watchdog. Linux's parent-death signal,
-    armed here in the rank itself (not in a fork hook of a threaded launcher); elsewhere a thread
-    that watches the parent id."""
-    try:
-        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) == 0
-    except (OSError, AttributeError):
-        armed = False
-    if not armed:
-
-        def watch():
-            while os.getppid() == parent:
-                time.sleep(1)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=watch, name="lora-tune-parent-watch", daemon=True).start()
-    elif os.getppid() != parent:  # the launcher died before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)

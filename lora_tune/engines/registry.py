@@ -27,7 +27,6 @@ from lora_tune.engines import deepspeed, fsdp, single
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import OFFLOAD_LABEL, OFFLOADS, PRECISIONS, BackendSpec
 from lora_tune.errors import UserError
-from lora_tune.training import compilation
 
 
 class Engine(Protocol):
@@ -46,7 +45,7 @@ class Engine(Protocol):
     def load(self, base_path: str, add_adapter: Callable[[torch.nn.Module], torch.nn.Module]) -> torch.nn.Module:
         """The base, loaded and partitioned as this backend needs, with the adapter injected by
         `add_adapter` at the moment that suits the backend. Returns what `add_adapter` made: the
-        loss module (`lora_tune.models.head.CausalLMLoss`, its peft model as `.peft_model`)."""
+        loss module (e.g. `lora_tune.training.objectives.sft.CausalLMLoss`, its peft model as `.peft_model`)."""
 
     def load_adapter(self, path: Path) -> None:
         """Adapter weights of a checkpoint into the (not yet prepared) model."""
@@ -204,9 +203,6 @@ def check_compatibility(cfg, paths: bool = True) -> None:
     reason = cell.refusal()
     if reason:
         raise UserError(f"{cell.flags()}: {reason}")
-    reason = compilation.refusal(cfg.precision, spec.compiles(cfg.zero), spec.label(cfg.zero)) if cfg.compile else None
-    if reason:
-        raise UserError(f"--compile: {reason}")
     for other in BACKENDS.values():
         for option in other.options:
             if other is not spec and getattr(cfg, option, None):

@@ -1,4 +1,5 @@
-"""The training loss: the output head and cross-entropy, chunk by chunk, never the whole logits.
+"""The output head over the decoder's hidden states, chunk by chunk, never the whole logits: the
+cross-entropy (SFT) and per-sequence log-probabilities (preference, RL) every objective builds on.
 
 With Llama-3's 128k vocabulary the `[tokens x vocab]` logits are the largest activation of a LoRA
 run, and the usual route keeps them three times (compute dtype, the fp32 upcast, its gradient).
@@ -9,9 +10,9 @@ hidden-size gradient, small). The head is frozen (LoRA never adapts it), so no w
 needed, and nothing is recomputed. Positions whose label is masked (prompt tokens, padding) never go
 through the head at all.
 
-`CausalLMLoss` is the module every engine trains: the peft model, and a forward that returns the
-loss. It is the root that FSDP2 and DeepSpeed wrap, so the head's weight is gathered while the loss
-runs. `--loss-chunk-size 0` computes the loss through the model's own forward instead.
+The objectives' loss modules (`lora_tune.training.objectives`) are what every engine trains: the
+peft model, and a forward that returns the loss through these functions. They are the root that
+FSDP2 and DeepSpeed wrap, so the head's weight is gathered while the loss runs.
 """
 
 from __future__ import annotations
@@ -173,40 +174,3 @@ def shifted_hidden(peft_model, input_ids, labels, attention_mask=None, position_
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
 
 
-class CausalLMLoss(torch.nn.Module):
-    """The peft model whose forward returns the loss (summed over label tokens / `num_items_in_batch`).
-    `chunk_size`: label tokens per chunk of the head + cross-entropy; None picks it per micro-batch
-    (`auto_chunk_size`); 0 runs the model's own full-logits loss."""
-
-    def __init__(self, peft_model, chunk_size: int | None):
-        super().__init__()
-        self.peft_model = peft_model
-        self.chunk_size = chunk_size
-        self.chunk_fn = cross_entropy_chunk  # --compile: compiled (lora_tune.training.compilation)
-        config = peft_model.get_base_model().config.get_text_config(decoder=True)
-        self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
-
-    def get_base_model(self):
-        return self.peft_model.get_base_model()
-
-    def forward(self, input_ids, labels, num_items_in_batch, attention_mask=None, position_ids=None):
-        if self.chunk_size == 0:
-            return self.peft_model(
-                input_ids=input_ids,
-                labels=labels,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                num_items_in_batch=num_items_in_batch,
-            ).loss
-        hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids)
-        head = self.peft_model.get_base_model().get_output_embeddings()
-        return linear_cross_entropy(
-            hidden, head.weight, targets, num_items_in_batch, self.chunk(hidden, head), self.softcap, head.bias, self.chunk_fn
-        )
-
-    def chunk(self, hidden: torch.Tensor, head) -> int:
-        return self.chunk_size or auto_chunk_size(hidden.shape[0], hidden.shape[1], head.weight.shape[0])
-
-    def take_stats(self) -> dict[str, tuple[float, int]]:
-        """What the objective measured since it was last asked (name -> (sum, count)): none for SFT."""
-        return {}

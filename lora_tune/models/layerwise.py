@@ -26,11 +26,11 @@ from transformers.pytorch_utils import Conv1D
 
 from lora_tune.errors import UserError
 from lora_tune.models import shards
-from lora_tune.models.adapter import base_name
 from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.int8_sharded import ShardableLinear8bit
 from lora_tune.models.loading import WEIGHT_DTYPE, attention_implementation, load_config
 from lora_tune.models.structure import auto_class, block_modules, decoder_body
+from lora_tune.models.targets import base_name
 
 log = logging.getLogger("lora_tune")
 

@@ -339,3 +339,18 @@ def pick_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     return torch.device("cpu")
+
+
+def unquantized_experts(precision: str, fused: int, total: int) -> str | None:
+    """bitsandbytes quantizes linear layers only: how much of the model (`fused` of `total`
+    parameters in 3-D expert tensors) stays in bf16 under 8/4-bit. Said by `train` and `plan`."""
+    if precision in ("8bit", "4bit") and fused:
+
+        def count(n):
+            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+        return (
+            f"{precision}: bitsandbytes quantizes linear layers only; this model's fused MoE expert tensors "
+            f"({count(fused)} of {count(total)} parameters) stay in bf16"
+        )
+    return None

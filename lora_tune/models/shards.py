@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 
 from lora_tune.errors import UserError
 
@@ -127,3 +128,25 @@ def fingerprint(folder: Path, files: list[Path] | None = None) -> str:
         for path in files:
             h.update(f"{path.name}:{path.stat().st_size};".encode())
     return h.hexdigest()[:24]
+
+
+def base_fingerprint(base_path: str, allow_bin: bool) -> str | None:
+    """Checks the base's weights before loading and returns what identifies them: its config.json
+    and each safetensors file's name, size and header (validated against the file's size, so a
+    truncated or garbage shard is named now). A hub id is looked up in the local cache; None when
+    it isn't there yet (from_pretrained will download it)."""
+    folder = Path(base_path)
+    if not folder.is_dir():
+        cached = try_to_load_from_cache(base_path, "config.json")
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+        files = shard_files(folder)
+        if files is None or not all(p.is_file() for p in files):
+            return None  # not all downloaded yet: from_pretrained fetches the rest
+    if shard_files(folder) is None:
+        bins = sorted(folder.glob("*.bin"))
+        if not bins or not allow_bin:
+            return None  # the loader names what is missing (or asks for --allow-bin)
+        return fingerprint(folder, bins)
+    return fingerprint(folder)

@@ -18,6 +18,7 @@ from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
 from lora_tune.planner.memory import Estimate, Setup, estimate, setup_from
 from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed, fits, search
 from lora_tune.planner.speed import relative_speed
+from lora_tune.training import compilation
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Plan:
 def compute(cfg) -> Plan:
     # Planning a cell `train` refuses would answer a question nobody can run: same matrix.
     engines.check_compatibility(cfg, paths=False)
+    compilation.check_cell(cfg, engines.spec_of(cfg))
     arch = load_architecture(cfg.base)
     if not cfg.auto:
         engines.check_layer_by_layer(cfg, arch.quantized)

@@ -16,9 +16,9 @@ from huggingface_hub import hf_hub_download
 from transformers import AutoConfig
 
 from lora_tune.errors import UserError, first_line
-from lora_tune.models.adapter import ROUTERS, Inventory, block_path, is_plain_linear, peft_accepted, resolve_targets
 from lora_tune.models.aliases import ALIASES, architecture, looks_like_path, resolve_base
 from lora_tune.models.structure import block_modules, linear_name, meta_model, recurrent_layers
+from lora_tune.models.targets import ROUTERS, Inventory, block_path, is_plain_linear, peft_accepted, resolve_targets
 
 
 @dataclass(frozen=True)
@@ -174,16 +174,3 @@ def read_config_json(path: Path) -> dict:
     return config
 
 
-def unquantized_experts(precision: str, fused: int, total: int) -> str | None:
-    """bitsandbytes quantizes linear layers only: how much of the model (`fused` of `total`
-    parameters in 3-D expert tensors) stays in bf16 under 8/4-bit. Said by `train` and `plan`."""
-    if precision in ("8bit", "4bit") and fused:
-
-        def count(n):
-            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-
-        return (
-            f"{precision}: bitsandbytes quantizes linear layers only; this model's fused MoE expert tensors "
-            f"({count(fused)} of {count(total)} parameters) stay in bf16"
-        )
-    return None

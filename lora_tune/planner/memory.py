@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 from lora_tune.engines import registry as engines
 from lora_tune.engines.spec import ModelStates
-from lora_tune.models.adapter import resolve_targets
 from lora_tune.models.head import auto_chunk_size
+from lora_tune.models.targets import resolve_targets
 from lora_tune.planner.architecture import Architecture
 from lora_tune.training.objectives import registry as objectives
 

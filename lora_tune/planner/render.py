@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lora_tune.engines import registry as engines
+from lora_tune.models.loading import unquantized_experts
 from lora_tune.planner import speed
-from lora_tune.planner.architecture import Architecture, unquantized_experts
+from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.memory import GIB, Estimate, Setup
 
 OOM_ADVICE = [

@@ -18,41 +18,19 @@ import json
 import logging
 import os
 import re
-import shutil
 import socket
 import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from enum import Enum
 from pathlib import Path
-
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-from safetensors.torch import save as safetensors_bytes
 
 from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
+from lora_tune.files import fsync_path, fsync_tree, pid_alive, remove_tree
 
 MARKER = "COMPLETE"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file (or a folder's entries) to disk: a rename is only durable after both."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            fsync_path(p)
-    fsync_path(path)
 
 
 def is_checkpoint_name(name: str) -> bool:
@@ -76,15 +54,6 @@ def list_checkpoints(output_dir: Path) -> tuple[list[Path], list[Path]]:
     return sorted(complete, key=step_of), sorted(incomplete, key=step_of)
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a folder we wrote, or a link in its place: a symbolic link is unlinked, never followed,
-    so what it points to (another run's checkpoint, a user's folder) is left as it is."""
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)  # rmtree itself never follows links inside the folder
-
-
 def remove_leftovers(output_dir: Path) -> list[Path]:
     """Delete hidden temp / replaced folders left by a process killed mid-save (never valid), and the
     temporary files of an adapter write it was killed in."""
@@ -95,17 +64,6 @@ def remove_leftovers(output_dir: Path) -> list[Path]:
     for p in leftovers:
         remove_tree(p)
     return leftovers
-
-
-def pid_alive(pid: str) -> bool:
-    """Whether a process of that id runs on this machine (a temp file's writer)."""
-    try:
-        os.kill(int(pid), 0)
-    except (ValueError, ProcessLookupError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def newest_complete(output_dir: Path) -> Path | None:
@@ -217,11 +175,6 @@ def write(
     return rotate(output_dir, keep) if main else []
 
 
-# --- the pieces a checkpoint holds ---------------------------------------------------------------
-def write_json(path: Path, data) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True))
-
-
 def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_bytes())
@@ -243,103 +196,6 @@ def read_trainer_state(path: Path) -> dict:
     if not ok:
         raise UserError(f"{path} is not a trainer state lora-tune wrote; delete that checkpoint to resume from an older one")
     return state
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    state = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"torch_cuda_{i}"] = s
-    return state
-
-
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict | None = None) -> None:
-    """safetensors bytes written with plain file I/O: a full disk is an OSError (ENOSPC) the loop can
-    report in one line, not the library's own error type. Checkpoint tensors are small (LoRA)."""
-    data = safetensors_bytes(tensors, metadata=metadata)
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def save_rng(path: Path) -> None:
-    write_safetensors(path, rng_state())
-
-
-def load_rng(path: Path) -> None:
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
-    torch.set_rng_state(state["torch_cpu"])
-    if torch.cuda.is_available():
-        cuda = [state[k] for k in sorted(k for k in state if k.startswith("torch_cuda_"))]
-        if cuda:
-            torch.cuda.set_rng_state_all(cuda)
-
-
-# --- pickle-free state of sharded optimizers ------------------------------------------------------
-def to_safe(obj, tensors: dict, path: str = "s", seen: dict | None = None):
-    """JSON-able skeleton with tensors pulled out (saved with safetensors). Objects that are
-    neither tensors nor plain data are dropped and taken from the live optimizer on load: DeepSpeed's
-    state holds its ZeRO stage enum (kept as its int) and a loss scaler (static for our fp32 LoRA
-    states). A tensor met twice (bitsandbytes' 8-bit states share one quantization map) is stored
-    once and comes back shared; a different view of memory already stored is stored as a copy."""
-    seen = {} if seen is None else seen
-    if torch.is_tensor(obj):
-        storage = (obj.device, obj.untyped_storage().data_ptr())
-        key = (*storage, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.dtype)
-        if key in seen:
-            return {"__tensor__": seen[key]}
-        shares = any(k[:2] == storage for k in seen)
-        seen[key] = path
-        tensors[path] = obj.detach().cpu().clone() if shares else obj.detach().cpu().contiguous()
-        return {"__tensor__": path}
-    if isinstance(obj, Enum):
-        return obj.value
-    if isinstance(obj, dict):
-        pairs = [
-            [to_safe(k, tensors, f"{path}.k{i}", seen), to_safe(v, tensors, f"{path}.{i}", seen)] for i, (k, v) in enumerate(obj.items())
-        ]
-        return {"__dict__": pairs}
-    if isinstance(obj, (list, tuple)):
-        return {"__list__": [to_safe(v, tensors, f"{path}.{i}", seen) for i, v in enumerate(obj)], "tuple": isinstance(obj, tuple)}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    return {"__dropped__": type(obj).__name__}
-
-
-def from_safe(obj, tensors: dict):
-    if isinstance(obj, dict):
-        if "__tensor__" in obj:
-            return tensors[obj["__tensor__"]]
-        if "__dict__" in obj:
-            return {from_safe(k, tensors): from_safe(v, tensors) for k, v in obj["__dict__"]}
-        if "__list__" in obj:
-            items = [from_safe(v, tensors) for v in obj["__list__"]]
-            return tuple(items) if obj["tuple"] else items
-        if "__dropped__" in obj:
-            return None
-    return obj
-
-
-def save_safe_state(folder: Path, name: str, state) -> None:
-    tensors: dict = {}
-    skeleton = to_safe(state, tensors)
-    write_safetensors(folder / f"{name}.safetensors", tensors)
-    (folder / f"{name}.json").write_text(json.dumps(skeleton))
-
-
-def load_safe_state(folder: Path, name: str):
-    tensors_file, skeleton_file = folder / f"{name}.safetensors", folder / f"{name}.json"
-    try:
-        tensors = load_file(str(tensors_file))
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{tensors_file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
-    try:
-        skeleton = json.loads(skeleton_file.read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{skeleton_file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
-    return from_safe(skeleton, tensors)
 
 
 # --- one writer per output folder ----------------------------------------------------------------

@@ -40,8 +40,10 @@ from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.utils._triton import has_triton
 from transformers import PreTrainedModel
 
-from lora_tune.models.head import CausalLMLoss, cross_entropy_chunk
+from lora_tune.errors import UserError
+from lora_tune.models.head import cross_entropy_chunk
 from lora_tune.models.structure import decoder_body
+from lora_tune.training.objectives.sft import CausalLMLoss
 
 RECOMPILE_LIMIT = 64  # graphs per code object before Dynamo falls back to eager (its default: 8)
 
@@ -61,6 +63,13 @@ def refusal(precision: str, backend_compiles: bool, backend: str) -> str | None:
             "small graphs (slower than eager); use --zero 2 or --backend fsdp with it, or leave it out"
         )
     return None
+
+
+def check_cell(cfg, spec) -> None:
+    """`refusal` for the configuration's backend cell (`spec`: its BackendSpec), as the one-line error."""
+    reason = refusal(cfg.precision, spec.compiles(cfg.zero), spec.label(cfg.zero)) if cfg.compile else None
+    if reason:
+        raise UserError(f"--compile: {reason}")
 
 
 def toolchain_refusal(device: torch.device) -> str | None:

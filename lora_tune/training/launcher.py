@@ -3,31 +3,34 @@
 Our own small launcher instead of torchrun, for what happens when a rank dies (the OOM killer, a
 crash): the others are stopped at once instead of waiting in a collective, and the job ends with one
 message that says which rank died, how, the last complete checkpoint and how to resume, instead of
-every rank's traceback. The launcher checks the input once and holds the output folder's lock for
-the whole job (its ranks know it from the environment).
+every rank's traceback. The launcher holds the output folder's lock for the whole job (its ranks
+know it from the environment); the caller has checked the input once before (`lora_tune.preflight`).
+Also the two things a rank needs to know about its job: that it lost its peers, and that it stops
+when its launcher dies.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
-from lora_tune.engines.ranks import LOST_PEER_EXIT
-from lora_tune.preflight import check_inputs
+import torch
+
 from lora_tune.training import checkpoint as ckpt
 
 LAUNCHER_ENV = "LORA_TUNE_LAUNCHER"  # set for the ranks our launcher starts: the launcher's pid
 
 
 def launch_job(cfg, args: list[str], resume_command: str) -> int:
-    """Check the input once, hold the output folder's lock, run `lora-tune ARGS` as cfg.nproc ranks;
-    returns the job's exit code."""
-    check_inputs(cfg)
+    """Hold the output folder's lock and run `lora-tune ARGS` as cfg.nproc ranks (the input already
+    checked); returns the job's exit code."""
     lock = ckpt.OutputLock(Path(cfg.output_dir).expanduser()).acquire()
     os.environ[ckpt.LOCK_ENV] = str(lock.path.resolve())
     try:
@@ -50,7 +53,7 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
         "WORLD_SIZE": str(nproc),
         "LOCAL_WORLD_SIZE": str(nproc),
         "LOCAL_SIZE": str(nproc),
-        LAUNCHER_ENV: str(os.getpid()),  # the ranks stop when this process dies (distributed.stop_with_parent)
+        LAUNCHER_ENV: str(os.getpid()),  # the ranks stop when this process dies (stop_with_parent)
     }
     # Like torchrun: N ranks each using every core would oversubscribe the machine.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -90,3 +93,41 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
     kept = f"the last complete checkpoint is {good}" if good else "no checkpoint had been written"
     print(f"error: rank {r} {how}; the other ranks were stopped. {kept}. Continue with: {resume_command}", file=sys.stderr, flush=True)
     return 128 - code if code < 0 else code
+
+
+LOST_PEER_EXIT = 75  # a rank's exit code when another rank died under it
+
+
+def lost_peer(error: BaseException) -> bool:
+    """True for the errors a collective raises when another rank has died mid-run."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    text = str(error)
+    return isinstance(error, torch.distributed.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout")
+    )
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_parent(parent: int) -> None:
+    """Have this process get SIGTERM when `parent` (the --nproc launcher) dies, however it dies
+    (SIGKILL included): the rank then finishes its step, checkpoints with the others and exits,
+    instead of training on without the launcher's lock and watchdog. Linux's parent-death signal,
+    armed here in the rank itself (not in a fork hook of a threaded launcher); elsewhere a thread
+    that watches the parent id."""
+    try:
+        armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) == 0
+    except (OSError, AttributeError):
+        armed = False
+    if not armed:
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="lora-tune-parent-watch", daemon=True).start()
+    elif os.getppid() != parent:  # the launcher died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -6,52 +6,29 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
-from lora_tune.after import evaluation
 from lora_tune.data.batching import collate, pack_best_fit_decreasing
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.registry import Engine
 from lora_tune.errors import TrainingStopped
+from lora_tune.files import write_json
 from lora_tune.models.adapter import save_adapter
-from lora_tune.planner import render
-from lora_tune.preflight import RunInputs, math_config
 from lora_tune.training import checkpoint as ckpt
 from lora_tune.training.compilation import CompileStats
+from lora_tune.training.inputs import RunInputs
 from lora_tune.training.metrics import MetricsLog, Progress, peak_memory_bytes
+from lora_tune.training.objectives import reference
+from lora_tune.training.run_folder import math_config
 
 log = logging.getLogger("lora_tune")
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
-REFERENCE_FILE = "reference_logps.safetensors"
-
-
-def write_reference(path: Path, tables: dict[str, torch.Tensor]) -> None:
-    """Atomically: a temp name, then renamed (a killed run leaves no half file to read back)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    ckpt.write_safetensors(tmp, {k: v.contiguous() for k, v in tables.items()})
-    os.replace(tmp, path)
-
-
-def reference_tables(path: Path, expected: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor] | None:
-    """The saved tables when they fit this data (their shapes), else None (recomputed)."""
-    try:
-        tables = load_file(str(path))
-    except (SafetensorError, OSError):
-        log.warning("ignoring unreadable reference log-probabilities in %s; computing them again", path)
-        return None
-    if {k: tuple(v.shape) for k, v in tables.items()} != expected:
-        return None
-    return tables
 
 
 class TrainingLoop:
@@ -106,10 +83,10 @@ class TrainingLoop:
             "train": (len(data.train), self.inputs.objective.sequences_per_unit),
             "eval": (len(data.eval), self.inputs.objective.sequences_per_unit),
         }
-        own = self.inputs.output_dir / REFERENCE_FILE
+        own = self.inputs.output_dir / reference.REFERENCE_FILE
         for source in (own, plan.cache):
             if source is not None and source.is_file():
-                tables = reference_tables(source, expected)
+                tables = reference.read_tables(source, expected)
                 if tables is not None:
                     log.info("reference log-probabilities read from %s", source)
                     break
@@ -128,13 +105,13 @@ class TrainingLoop:
             )
             if plan.cache is not None and dist.is_main():
                 try:
-                    write_reference(plan.cache, tables)
+                    reference.write_tables(plan.cache, tables)
                 except OSError as e:  # a read-only or full cache: the run keeps its own copy below
                     where, why = plan.cache.parent, e.strerror or e
                     log.warning("reference log-probabilities not cached in %s (%s); this run keeps its own copy", where, why)
         if dist.is_main() and not own.is_file():
             self.inputs.output_dir.mkdir(parents=True, exist_ok=True)
-            write_reference(own, tables)
+            reference.write_tables(own, tables)
         data.train.reference, data.eval.reference = tables["train"], tables["eval"]
 
     def _score(self, samples) -> torch.Tensor:
@@ -271,10 +248,7 @@ class TrainingLoop:
             torch.cuda.empty_cache()
         path = self.save_checkpoint() if self.state.step > 0 else None
         lines = [f"out of memory at step {self.state.step + 1} on {device}."]
-        plan = self.inputs.plan
-        if plan:
-            lines.append(render.table(plan.estimate, plan.setup, plan.device_bytes, None))
-        lines.append("try, in this order: " + "; ".join(render.OOM_ADVICE))
+        lines += self.inputs.out_of_memory_advice
         lines.append(f"checkpoint saved to {path}; continue with --resume" if path else "no step had completed, so nothing was saved")
         raise TrainingStopped("\n".join(lines), 1, "error")
 
@@ -285,7 +259,7 @@ class TrainingLoop:
 
     # --- evaluation -----------------------------------------------------------------------------------
     def _has_eval(self) -> bool:
-        return bool(self.inputs.data.eval or self.inputs.eval_prompts or self.cfg.eval_tasks)
+        return bool(self.inputs.data.eval or self.inputs.eval_prompts or self.inputs.score_tasks)
 
     def evaluate(self) -> None:
         """Eval loss (when there is eval data) and sample generations (when there are prompts);
@@ -307,11 +281,8 @@ class TrainingLoop:
             if self.metrics:
                 self.metrics.write(result)
             lines.append(f"eval at step {result['step']}: loss {result['eval_loss']:.4f}, {measure}")
-        if self.cfg.eval_tasks:
-            cfg = self.cfg
-            peft_model, tokenizer = self.model.peft_model, self.inputs.tokenizer
-            scores = evaluation.run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include)
-            record = {"step": self.state.step, **evaluation.flat_metrics(scores)}
+        if self.inputs.score_tasks:
+            record = {"step": self.state.step, **self.inputs.score_tasks(self.model.peft_model, self.inputs.tokenizer)}
             if self.metrics:
                 self.metrics.write(record)
             shown = ", ".join(f"{key.removeprefix('eval_tasks/')} {value:.4f}" for key, value in record.items() if key != "step")
@@ -356,7 +327,7 @@ class TrainingLoop:
 
     def _write_main_part(self, folder: Path, adapter: dict) -> None:
         save_adapter(self.model.peft_model, folder, adapter)
-        ckpt.write_json(
+        write_json(
             folder / "trainer_state.json",
             {
                 **vars(self.state),

@@ -1,10 +1,10 @@
 """The training recipe: setup -> train -> save -> cleanup.
 
-`setup` checks every input before anything heavy happens (`lora_tune.preflight`), takes the output
-folder's lock, has the engine load the base and inject the adapter, and restores a checkpoint when
-resuming; `train` runs the loop (`lora_tune.training.loop`); `save` writes the final checkpoint and adapter;
-`cleanup` closes the metrics and releases the lock, however the run ended. The recipe never asks
-which backend runs.
+The recipe is given the run's inputs, every one already checked (`lora_tune.preflight`). `setup`
+takes the output folder's lock, has the engine load the base and inject the adapter, and restores
+a checkpoint when resuming; `train` runs the loop (`lora_tune.training.loop`); `save` writes the
+final checkpoint and adapter; `cleanup` closes the metrics and releases the lock, however the run
+ended. The recipe never asks which backend runs, nor which objective trains.
 """
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ from pathlib import Path
 
 import yaml
 
-from lora_tune.config import TrainConfig
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.models.adapter import add_lora
-from lora_tune.preflight import check_inputs
 from lora_tune.training import checkpoint as ckpt
 from lora_tune.training import compilation
 from lora_tune.training.compilation import compile_regions
+from lora_tune.training.inputs import RunInputs
 from lora_tune.training.loop import TrainingLoop
 from lora_tune.training.metrics import MetricsLog
 
@@ -29,16 +28,16 @@ log = logging.getLogger("lora_tune")
 
 
 class Recipe:
-    def __init__(self, cfg: TrainConfig, on_metrics=None):
-        self.cfg = cfg
+    def __init__(self, inputs: RunInputs, on_metrics=None):
+        self.inputs = inputs
         self.on_metrics = on_metrics
         self.lock: ckpt.OutputLock | None = None
         self.metrics: MetricsLog | None = None
         self.loop: TrainingLoop | None = None
 
     def setup(self) -> None:
-        inputs = check_inputs(self.cfg)
-        cfg = self.cfg = inputs.cfg  # as checked: what the model can't do is turned off there, and said so
+        inputs = self.inputs
+        cfg = inputs.cfg  # as checked: what the model can't do is turned off there, and said so
         # One writer per output folder; taken after the checks, so bad input writes nothing.
         self.lock = ckpt.OutputLock(inputs.output_dir).acquire() if dist.is_main() else None
         # Only now, with every input checked, the expensive part. The engine decides how the base
@@ -95,11 +94,11 @@ class Recipe:
             self.lock.release()
 
 
-def run(cfg: TrainConfig, on_metrics=None) -> None:
+def run(inputs: RunInputs, on_metrics=None) -> None:
     """setup -> train -> save -> cleanup. `on_metrics`: called with each metrics record (rank 0)."""
-    recipe = Recipe(cfg, on_metrics)
+    recipe = Recipe(inputs, on_metrics)
     try:
-        with compilation.settings(cfg.compile):
+        with compilation.settings(inputs.cfg.compile):
             recipe.setup()
             recipe.train()
             recipe.save()

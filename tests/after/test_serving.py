@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from lora_tune.after.serving import check_config
 from lora_tune.config import TrainConfig
 from lora_tune.errors import UserError
-from lora_tune.models.adapter import Targets
+from lora_tune.models.targets import Targets
 
 from families import build_family
 from helpers import fast_train_args, run_cli, single_error_line

@@ -9,8 +9,8 @@ from lora_tune.config import TrainConfig
 from lora_tune.data.batching import IGNORE, MicroBatches, collate, pack_best_fit_decreasing
 from lora_tune.data.prepare import Sample
 from lora_tune.models.adapter import add_lora
-from lora_tune.models.head import CausalLMLoss
 from lora_tune.models.loading import load_base_model
+from lora_tune.training.objectives.sft import CausalLMLoss
 
 
 def test_best_fit_decreasing_packs_every_sample_once_within_capacity():

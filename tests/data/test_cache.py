@@ -52,7 +52,7 @@ def test_processes_share_one_build_of_a_source(tmp_path, tiny_model):
     path = write_jsonl(tmp_path / "s.jsonl", [{"text": f"shared {i}"} for i in range(200)])
     script = (
         "import sys, logging; logging.basicConfig(level=logging.INFO, format='%(message)s')\n"
-        "from lora_tune.config import TrainConfig; from lora_tune.data import prepare_data; from lora_tune.models.loading "
+        "from lora_tune.config import TrainConfig; from lora_tune.data.prepare import prepare_data; from lora_tune.models.loading "
         "import load_tokenizer\n"
         f"cfg = TrainConfig(base='b', data={str(path)!r}, output_dir='o', data_cache_dir={str(tmp_path / 'cache')!r})\n"
         f"print(len(prepare_data(cfg, load_tokenizer({str(tiny_model)!r})).train))\n"

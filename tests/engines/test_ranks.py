@@ -13,7 +13,6 @@ def test_without_a_process_group_everything_is_this_process():
     assert dist.any_rank(True) is True and dist.any_rank(False) is False
     assert dist.all_sum(2.5) == 2.5
     dist.barrier()  # nothing to wait for
-    assert dist.lost_peer(RuntimeError("Connection closed by peer")) is False  # no peers to lose
 
 
 @pytest.fixture
@@ -26,8 +25,6 @@ def one_rank_group(tmp_path):
 def test_collectives_in_a_group(one_rank_group):
     assert dist.any_rank(True) is True and dist.any_rank(False) is False
     assert dist.all_sum(3.0) == 3.0
-    assert dist.lost_peer(RuntimeError("Connection reset by peer")) is True
-    assert dist.lost_peer(ValueError("a bug")) is False
 
 
 def test_launched_means_a_launcher_set_the_local_rank(monkeypatch):

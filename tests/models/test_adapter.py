@@ -15,10 +15,12 @@ from transformers.models.llama4.modeling_llama4 import Llama4Router
 
 from lora_tune.config import TrainConfig
 from lora_tune.errors import UserError
-from lora_tune.models.adapter import (
+from lora_tune.models.adapter import add_lora, save_adapter, trainable_state_dict
+from lora_tune.models.loading import load_base_model, load_config
+from lora_tune.models.structure import meta_model
+from lora_tune.models.targets import (
     Inventory,
     adaptation_mismatch,
-    add_lora,
     base_name,
     check_loads_back,
     inject_on_meta,
@@ -26,11 +28,7 @@ from lora_tune.models.adapter import (
     lora_layers,
     peft_exact_targets,
     resolve_targets,
-    save_adapter,
-    trainable_state_dict,
 )
-from lora_tune.models.loading import load_base_model, load_config
-from lora_tune.models.structure import meta_model
 from lora_tune.models.tiny_configs import shrink_config
 
 from families import build_family

@@ -10,8 +10,9 @@ from lora_tune.config import TrainConfig
 from lora_tune.data.batching import collate
 from lora_tune.data.prepare import Sample
 from lora_tune.models.adapter import add_lora
-from lora_tune.models.head import IGNORE, CausalLMLoss, auto_chunk_size, chunking_refusal, linear_cross_entropy
+from lora_tune.models.head import IGNORE, auto_chunk_size, chunking_refusal, linear_cross_entropy
 from lora_tune.models.loading import load_base_model
+from lora_tune.training.objectives.sft import CausalLMLoss
 
 
 def reference(hidden, weight, targets, divisor, softcap=None, bias=None):

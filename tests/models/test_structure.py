@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImageTextToText
 
-from lora_tune.models.adapter import Inventory
 from lora_tune.models.structure import auto_class, body_path, decoder_body, meta_model, model_class
+from lora_tune.models.targets import Inventory
 from lora_tune.models.tiny_configs import shrink_config
 
 

@@ -9,8 +9,8 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lora_tune.config import TrainConfig
-from lora_tune.models.adapter import lora_config, resolve_targets
 from lora_tune.models.aliases import architecture
+from lora_tune.models.targets import lora_config, resolve_targets
 from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.memory import Setup, lora_tensors
 

@@ -4,12 +4,11 @@ state, the pickle-free state format, and the output folder's lock."""
 from __future__ import annotations
 
 import shutil
-from enum import Enum
 
 import pytest
-import torch
 
 from lora_tune.errors import UserError
+from lora_tune.files import write_json
 from lora_tune.training import checkpoint as ckpt
 
 from helpers import fast_train_args, run_cli, tree_digest
@@ -82,30 +81,8 @@ def test_resaving_a_step_replaces_it_whole(tmp_path):
 
 def test_trainer_state_round_trips_through_json(tmp_path):
     state = ckpt.TrainerState(step=7, tokens_seen=1234, bad_steps_in_a_row=1, best_eval_loss=0.5)
-    ckpt.write_json(tmp_path / "trainer_state.json", {**vars(state), "world_size": 2})
+    write_json(tmp_path / "trainer_state.json", {**vars(state), "world_size": 2})
     assert ckpt.TrainerState.saved(ckpt.read_json(tmp_path / "trainer_state.json")) == state
-
-
-def test_safe_state_keeps_tensors_numbers_and_structure_and_drops_objects(tmp_path):
-    class Stage(Enum):
-        TWO = 2
-
-    state = {
-        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0)}},
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}],
-        "stage": Stage.TWO,
-        "scaler": object(),
-        "nan": float("inf"),
-    }
-    ckpt.save_safe_state(tmp_path, "s", state)
-    back = ckpt.load_safe_state(tmp_path, "s")
-    assert torch.equal(back["state"][0]["exp_avg"], torch.arange(4.0)) and back["param_groups"][0]["betas"] == (0.9, 0.999)
-    assert back["stage"] == 2 and back["scaler"] is None and back["nan"] == float("inf")
-
-
-def test_a_missing_or_corrupt_safe_state_is_named(tmp_path):
-    with pytest.raises(UserError, match="s.safetensors is unreadable or truncated"):
-        ckpt.load_safe_state(tmp_path, "s")
 
 
 def test_the_lock_refuses_a_second_holder_and_is_released(tmp_path):

@@ -14,8 +14,10 @@ import sys
 
 import psutil
 import pytest
+import torch
 
 from lora_tune.training import checkpoint as ckpt
+from lora_tune.training import launcher
 
 from helpers import fast_train_args, start, step_losses, wait_for_steps
 
@@ -90,3 +92,13 @@ def test_ranks_checkpoint_and_stop_when_the_launcher_is_killed(tiny_model, data_
     assert len(checkpoints) == 1 and (checkpoints[0] / "training_state_rank1.safetensors").is_file()
     assert not (out / "adapter_model.safetensors").exists(), "stopped, not finished"
     assert ckpt.lock_holder(out) is None
+
+
+def test_a_lost_peer_is_told_from_a_bug_only_within_a_process_group(tmp_path):
+    assert launcher.lost_peer(RuntimeError("Connection closed by peer")) is False  # no process group: no peers to lose
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert launcher.lost_peer(RuntimeError("Connection reset by peer")) is True
+        assert launcher.lost_peer(ValueError("a bug")) is False
+    finally:
+        torch.distributed.destroy_process_group()

@@ -19,6 +19,7 @@ from lora_tune.models.adapter import checkpointed_layers
 from lora_tune.models.tiny_model import build_tiny_llama
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import estimate, setup_from
+from lora_tune.preflight import check_inputs
 from lora_tune.training.recipe import Recipe
 
 from helpers import FAST, adapter_tensors, fast_train_args, read_metrics, run_cli, write_jsonl
@@ -125,7 +126,7 @@ def step_gradients(base: Path, data: Path, out: Path, mbs: int, ga: int) -> dict
         seed=7,
         dropout=0.0,
     )
-    recipe = Recipe(cfg)
+    recipe = Recipe(check_inputs(cfg))
     recipe.setup()
     try:
         loop = recipe.loop
@@ -243,7 +244,7 @@ def test_auto_checkpointing_keeps_the_layers_the_budget_allows_and_the_same_numb
         assert code == 0, err
         losses[mode] = [r["loss"] for r in read_metrics(tmp_path / mode) if "loss" in r]
     cfg = TrainConfig(output_dir=str(tmp_path / "auto"), gradient_checkpointing="auto", memory_budget=sum(totals) / 2 / 2**30, **options)
-    recipe = Recipe(cfg)
+    recipe = Recipe(check_inputs(cfg))
     try:
         recipe.setup()
         layers = checkpointed_layers(recipe.loop.model.peft_model)
@@ -268,7 +269,7 @@ def test_auto_checkpointing_on_a_cpu_keeps_only_the_last_layer(data_files, tmp_p
     flags = {}
     setup_logging()  # the log to this test's stderr, as the CLI sets it up
     for mode in ("auto", "on"):
-        recipe = Recipe(TrainConfig(output_dir=str(tmp_path / mode), gradient_checkpointing=mode, **options))
+        recipe = Recipe(check_inputs(TrainConfig(output_dir=str(tmp_path / mode), gradient_checkpointing=mode, **options)))
         try:
             recipe.setup()
             flags[mode] = [layer.gradient_checkpointing for layer in checkpointed_layers(recipe.loop.model.peft_model)]

@@ -41,13 +41,13 @@ from transformers.utils import logging as hf_logging
 
 from lora_tune.config import MergeConfig, parse_size
 from lora_tune.errors import UserError, first_line, sigterm_stops
+from lora_tune.files import pid_alive, remove_tree
 from lora_tune.models import shards
-from lora_tune.models.adapter import lora_layers, lora_target
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import dequantizing, load_config, quant_method
 from lora_tune.models.structure import auto_class, meta_model, model_class, text_ids
-from lora_tune.training import checkpoint as ckpt
+from lora_tune.models.targets import lora_layers, lora_target
 
 log = logging.getLogger("lora_tune")
 
@@ -625,9 +625,9 @@ def prepare_output(out: Path, overwrite: bool) -> None:
     if out.parent.is_dir():
         for left in out.parent.glob(f".{out.name}.*-*"):
             kind, _, pid = left.name.removeprefix(f".{out.name}.").partition("-")
-            if kind in ("tmp", "old") and pid.isdigit() and not ckpt.pid_alive(pid):
+            if kind in ("tmp", "old") and pid.isdigit() and not pid_alive(pid):
                 log.info("removing %s, left by a merge that was killed", left)
-                ckpt.remove_tree(left)
+                remove_tree(left)
 
 
 def run(cfg: MergeConfig) -> Path:
@@ -710,7 +710,7 @@ def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) ->
 
 
 def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) -> Path:
-    ckpt.remove_tree(tmp)
+    remove_tree(tmp)
     tmp.mkdir(parents=True)
     try:
         write_side_files(base, adapter_dir, tmp, cfg.dtype)  # first: verification loads the folder
@@ -727,18 +727,18 @@ def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: Mer
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
             os.replace(tmp, out)
-            ckpt.remove_tree(old)
+            remove_tree(old)
         else:
             os.replace(tmp, out)
     except OSError as e:
-        ckpt.remove_tree(tmp)
+        remove_tree(tmp)
         raise UserError(
             f"--output: could not write the merged model under {out.parent} ({e.strerror or e}); nothing was left behind. Free "
             "space or choose another --output",
             exit_code=1,
         ) from None
     except BaseException:
-        ckpt.remove_tree(tmp)
+        remove_tree(tmp)
         raise
     log.info("merged model written to %s", out)
     return out

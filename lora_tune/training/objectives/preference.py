@@ -1,6 +1,6 @@
 """Preference objectives on LoRA: DPO, IPO, ORPO, SimPO and KTO as one loss module.
 
-Every engine trains it the way it trains the SFT loss (`lora_tune.models.head.CausalLMLoss`): the peft
+Every engine trains it the way it trains the SFT loss (`lora_tune.training.objectives.sft.CausalLMLoss`): the peft
 model, and a forward that returns the step's share of the loss. A micro-batch holds units of two
 sequences (a pair's chosen and rejected answer; a KTO row's completion and its KL sequence, its
 prompt with another row's completion), packed into rows like SFT samples or one per row; the head

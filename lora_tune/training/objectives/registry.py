@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lora_tune.errors import UserError
-from lora_tune.models.head import CausalLMLoss
 from lora_tune.training.objectives.preference import WITH_REFERENCE, PreferenceLoss
+from lora_tune.training.objectives.sft import CausalLMLoss
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import lora_tune
 from lora_tune.data.batching import collate
 from lora_tune.data.prepare import prepare_data
-from lora_tune.training.loop import REFERENCE_FILE
 from lora_tune.training.objectives.preference import PreferenceLoss
+from lora_tune.training.objectives.reference import REFERENCE_FILE
 
 from helpers import FAST, data_config, fast_train_args, read_metrics, run_cli, step_losses, write_jsonl
 

@@ -1,0 +1,93 @@
+"""The memory plan of the run about to start: the split --gradient-checkpointing auto chooses, and a
+warning (with --strict-memory, an error) when the plan does not fit the device."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora_tune.errors import UserError
+from lora_tune.models.adapter import Checkpointing
+from lora_tune.planner import render
+from lora_tune.planner.architecture import load_architecture
+from lora_tune.planner.memory import GIB, Setup, estimate, recomputed_layers, setup_from
+from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed
+from lora_tune.planner.speed import checkpointing_cost
+
+if TYPE_CHECKING:
+    from lora_tune.config import TrainConfig
+
+log = logging.getLogger("lora_tune")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The plan of this run: which layers recompute, and what an out-of-memory stop prints."""
+
+    checkpointing: Checkpointing
+    out_of_memory_advice: tuple[str, ...]  # the plan's table, then what to change, in that order
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
+
+
+def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
+    """--gradient-checkpointing auto: the fewest checkpointed layers whose plan fits the budget
+    (--memory-budget, else the GPU's memory less 10%). A CPU has no device budget: the fewest whose
+    plan needs no more than checkpointing every layer (the last layer keeps its activations: backward
+    reaches it first, and rebuilding it would take the same memory)."""
+    if cfg.memory_budget is not None:
+        budget, source = int(cfg.memory_budget * GIB), f"--memory-budget {cfg.memory_budget:g} GiB"
+    elif device.type == "cuda":
+        budget = int(BUDGET_SHARE * device_memory_bytes(device))
+        source = f"{BUDGET_SHARE:.0%} of {device_memory_bytes(device) / GIB:.1f} GiB"
+    else:
+        budget = estimate(arch, replace(setup, gradient_checkpointing=True, kept_layers=0)).per_device["total_bytes"]
+        source = f"the {budget / GIB:.2f} GiB of checkpointing every layer: no device memory budget on {device}, --memory-budget sets one"
+    chosen = fewest_checkpointed(arch, setup, budget)
+    need = estimate(arch, chosen).per_device["total_bytes"] / GIB
+    recomputed = recomputed_layers(arch, chosen)
+    gain = 1 - checkpointing_cost(chosen, arch.layers) / checkpointing_cost(setup, arch.layers)
+    log.info(
+        "gradient checkpointing (auto): %d of %d decoder layers recomputed, the rest keep their activations (plan %.2f GiB "
+        "within %s; step time %.0f%% below checkpointing every layer)",
+        recomputed,
+        arch.layers,
+        need,
+        source,
+        100 * gain,
+    )
+    return chosen
+
+
+def memory_plan(cfg: TrainConfig, device: torch.device) -> MemoryPlan | None:
+    """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
+    when it will not fit. None when the architecture can't be read offline."""
+    try:
+        arch = load_architecture(cfg.base)
+    except UserError as e:
+        log.info("memory plan skipped: %s", e)
+        return None
+    setup = setup_from(cfg)
+    if cfg.gradient_checkpointing == "auto":
+        setup = auto_checkpointing(cfg, arch, setup, device)
+    planned = estimate(arch, setup)
+    need, have = planned.per_device["total_bytes"], device_memory_bytes(device)
+    log.info("memory plan: %.2f GiB of %.2f GiB on %s", need / GIB, have / GIB, device)
+    if need > have:
+        message = (
+            f"the memory plan needs {need / GIB:.1f} GiB but {device} has {have / GIB:.1f} GiB; "
+            "run `lora-tune plan --auto` with these options for a setup that fits"
+        )
+        if cfg.strict_memory:
+            raise UserError(f"--strict-memory: {message}")
+        log.warning("warning: %s", message)
+    advice = (render.table(planned, setup, have, None), "try, in this order: " + "; ".join(render.OOM_ADVICE))
+    return MemoryPlan(Checkpointing(setup.gradient_checkpointing, setup.kept_layers), advice)

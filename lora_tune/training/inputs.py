@@ -1,0 +1,59 @@
+"""What a run is given: its inputs, every one checked before a weight is loaded (built by
+`lora_tune.preflight.check_inputs`). The recipe and the loop only ever read them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from lora_tune.data.batching import MicroBatches
+from lora_tune.data.prepare import PreparedData
+from lora_tune.models.adapter import Checkpointing
+from lora_tune.models.targets import Targets
+from lora_tune.training.objectives.reference import ReferencePlan
+from lora_tune.training.objectives.registry import Objective
+
+if TYPE_CHECKING:
+    from lora_tune.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class SpeedLevers:
+    """Packing, the chunked loss and the attention kernels as they apply to this model and machine."""
+
+    packing: bool
+    loss_chunk_size: int | None  # None: per micro-batch (auto); 0: the model's own full-logits loss
+    attention: str
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """The checked inputs of one run, fully built before anything heavy is loaded."""
+
+    cfg: TrainConfig
+    output_dir: Path
+    resume_from: Path | None  # the checkpoint to continue from
+    saved_state: dict | None  # its trainer_state.json
+    base_path: str  # what from_pretrained takes
+    base_id: str  # what the adapter records as its base
+    base_fingerprint: str | None  # of its config and safetensors headers (None: a hub id not in the local cache)
+    tokenizer: object
+    device: torch.device
+    targets: Targets | None  # None: remote code, resolved on the loaded model
+    levers: SpeedLevers
+    data: PreparedData
+    eval_prompts: list[list[int]]
+    batches: MicroBatches
+    total_steps: int
+    objective: Objective
+    reference: ReferencePlan | None  # how the reference log-probabilities are computed (objectives that compare with one)
+    checkpointing: Checkpointing  # which decoder layers recompute their activations
+    # What an out-of-memory stop prints: the memory plan's table and what to change (empty when the
+    # architecture can't be read offline).
+    out_of_memory_advice: tuple[str, ...] = ()
+    # --eval-tasks: scores (peft model, tokenizer) on lm-eval tasks -> metrics record (lora_tune.after.evaluation).
+    score_tasks: Callable[[object, object], dict[str, float]] | None = None
