@@ -32,7 +32,7 @@ EXPORT = (
     PEAK
     + """
 import json, sys, time
-from lora_tune.config import ExportConfig
+from lora_tune.after.options import ExportConfig
 from lora_tune.after.export import run
 t = time.perf_counter()
 r = run(ExportConfig(source=sys.argv[1], output=sys.argv[2], quant=sys.argv[3], verify=sys.argv[4] == "1"))

@@ -32,24 +32,16 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 from lora_tune import planner  # noqa: E402
 from lora_tune.after import evaluation, reporting, serving  # noqa: E402
 from lora_tune.after import export as exporting  # noqa: E402
-from lora_tune.after import merge as merging  # noqa: E402  (merge is this module's own function)
-from lora_tune.config import (  # noqa: E402
-    CheckServingConfig,
-    EvalConfig,
-    ExportConfig,
-    MergeConfig,
-    PlanConfig,
-    ReportConfig,
-    TrainConfig,
-    build_config,
-    read_yaml,
-)
+from lora_tune.after import merge as merging  # noqa: E402
+from lora_tune.after.options import CheckServingConfig, EvalConfig, ExportConfig, MergeConfig, ReportConfig  # noqa: E402
+from lora_tune.config import PlanConfig, TrainConfig  # noqa: E402
 from lora_tune.engines import ranks  # noqa: E402
 from lora_tune.engines import registry as engines  # noqa: E402
 from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
 from lora_tune.models.aliases import resolve_base  # noqa: E402
 from lora_tune.models.loading import WEIGHT_DTYPE, load_config  # noqa: E402
 from lora_tune.models.structure import auto_class  # noqa: E402
+from lora_tune.options import build_config, read_yaml  # noqa: E402
 from lora_tune.preflight import check_inputs  # noqa: E402
 from lora_tune.training import launcher, recipe  # noqa: E402
 from lora_tune.training.metrics import read_records  # noqa: E402

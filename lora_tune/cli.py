@@ -14,19 +14,10 @@ import warnings
 from typing import Any
 
 from lora_tune import __version__
-from lora_tune.config import (
-    CheckServingConfig,
-    EvalConfig,
-    ExportConfig,
-    MergeConfig,
-    PlanConfig,
-    ReportConfig,
-    TrainConfig,
-    build_config,
-    flag,
-    read_yaml,
-)
+from lora_tune.after.options import CheckServingConfig, EvalConfig, ExportConfig, MergeConfig, ReportConfig
+from lora_tune.config import PlanConfig, TrainConfig
 from lora_tune.errors import TrainingStopped, UserError, first_line
+from lora_tune.options import build_config, flag, read_yaml
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
@@ -48,30 +39,38 @@ def _unwrap(annotation):
 
 
 def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
-    """One flag per field; defaults are SUPPRESSed so we know which flags were really given."""
-    for name, f in schema.model_fields.items():
-        kind, is_list = _unwrap(f.annotation)
-        default = "" if f.is_required() else f" (default: {f.default if f.default is not None else 'unset'})"
-        help_text = (f.description or "") + default
-        kw: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
-        if kind is bool:
-            parser.add_argument(flag(name, f), action=argparse.BooleanOptionalAction, **kw)
-            continue
-        if typing.get_origin(kind) is typing.Literal:
-            choices = typing.get_args(kind)
-            kw["metavar"] = "|".join(map(str, choices))
-            kind = type(choices[0])  # validated by the schema, so the message is the same for YAML and flags
-            if {"on", "off"} <= set(choices):  # a switch with more settings: --x alone is on, --no-x off
-                parser.add_argument(flag(name, f), nargs="?", const="on", type=str, **kw)
-                off = dict(dest=name, action="store_const", const="off", default=argparse.SUPPRESS, help=f"{flag(name, f)} off")
-                parser.add_argument("--no-" + flag(name, f).removeprefix("--"), **off)
-                continue
-        if is_list:
-            kw["nargs"] = "+"
-        if not isinstance(kind, type):  # e.g. a source: a string on the command line, a mapping only in YAML
-            kind = str
-        action = parser.add_argument(flag(name, f), type=kind, **kw)
-        action.registry = (f.json_schema_extra or {}).get("registry")  # choices a registry holds: see RegistryHelp
+    """One flag per field, grouped in --help by the section that declares it (train's and plan's);
+    defaults are SUPPRESSed so we know which flags were really given."""
+    groups = schema.sections() if hasattr(schema, "sections") else [(None, list(schema.model_fields))]
+    for title, names in groups:
+        group = parser.add_argument_group(f"{title} options") if title else parser
+        for name in names:
+            add_flag(group, name, schema.model_fields[name])
+
+
+def add_flag(parser, name: str, f) -> None:
+    kind, is_list = _unwrap(f.annotation)
+    default = "" if f.is_required() else f" (default: {f.default if f.default is not None else 'unset'})"
+    help_text = (f.description or "") + default
+    kw: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
+    if kind is bool:
+        parser.add_argument(flag(name, f), action=argparse.BooleanOptionalAction, **kw)
+        return
+    if typing.get_origin(kind) is typing.Literal:
+        choices = typing.get_args(kind)
+        kw["metavar"] = "|".join(map(str, choices))
+        kind = type(choices[0])  # validated by the schema, so the message is the same for YAML and flags
+        if {"on", "off"} <= set(choices):  # a switch with more settings: --x alone is on, --no-x off
+            parser.add_argument(flag(name, f), nargs="?", const="on", type=str, **kw)
+            off = dict(dest=name, action="store_const", const="off", default=argparse.SUPPRESS, help=f"{flag(name, f)} off")
+            parser.add_argument("--no-" + flag(name, f).removeprefix("--"), **off)
+            return
+    if is_list:
+        kw["nargs"] = "+"
+    if not isinstance(kind, type):  # e.g. a source: a string on the command line, a mapping only in YAML
+        kind = str
+    action = parser.add_argument(flag(name, f), type=kind, **kw)
+    action.registry = (f.json_schema_extra or {}).get("registry")  # choices a registry holds: see RegistryHelp
 
 
 class RegistryHelp(argparse.HelpFormatter):

@@ -15,8 +15,9 @@ import torch
 
 import lora_tune.engines.registry
 from lora_tune.cli import build_parser, config_from_args, without_flags
-from lora_tune.config import TrainConfig, flag
+from lora_tune.config import TrainConfig
 from lora_tune.errors import UserError
+from lora_tune.options import flag
 
 from helpers import fast_train_args, run_cli, run_cli_subprocess, single_error_line, write_jsonl
 

@@ -7,8 +7,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lora_tune
-from lora_tune.config import MergeConfig, PlanConfig, TrainConfig, bounds, build_config, parse_size, read_yaml
+from lora_tune.after.options import MergeConfig
+from lora_tune.config import PlanConfig, TrainConfig
 from lora_tune.errors import UserError
+from lora_tune.options import bounds, build_config, parse_size, read_yaml
 
 
 def test_defaults_match_the_brief():

@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import get_args
 
-from lora_tune.config import Offload, Precision
+from lora_tune.engines.options import Offload
+from lora_tune.models.options import Precision
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 OFFLOADS: tuple[str, ...] = get_args(Offload)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from lora_tune.config import parse_size
 from lora_tune.errors import UserError
+from lora_tune.options import parse_size
 from lora_tune.planner.memory import GIB
 
 # Usable memory as drivers report it (a "16 GB" card shows ~15 GiB).

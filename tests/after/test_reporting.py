@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from lora_tune.after.options import ReportConfig
 from lora_tune.after.reporting import run, summary
-from lora_tune.config import ReportConfig
 from lora_tune.errors import UserError
 from lora_tune.notebook import LivePlot
 

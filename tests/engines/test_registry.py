@@ -9,10 +9,11 @@ import json
 import pytest
 
 from lora_tune.cli import build_parser, config_from_args
-from lora_tune.config import PlanConfig, TrainConfig, build_config
+from lora_tune.config import PlanConfig, TrainConfig
 from lora_tune.engines import registry as engines
 from lora_tune.engines.registry import Cell, check_compatibility, supported_cells
 from lora_tune.engines.spec import BackendSpec, Placement, share
+from lora_tune.options import build_config
 
 from helpers import ROOT, fast_train_args, run_cli, single_error_line
 

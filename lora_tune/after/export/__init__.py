@@ -20,7 +20,7 @@ from pathlib import Path
 from lora_tune.after.export import gguf as gguf_format
 from lora_tune.after.export import gguf_lora, ollama
 from lora_tune.after.export.files import Source, check_output, open_source, put_in_place
-from lora_tune.config import ExportConfig
+from lora_tune.after.options import ExportConfig
 from lora_tune.errors import UserError
 
 log = logging.getLogger("lora_tune")

@@ -16,7 +16,7 @@ from peft import PeftModel
 from transformers.utils import logging as hf_logging
 
 from lora_tune.after import merge as merger
-from lora_tune.config import ExportConfig
+from lora_tune.after.options import ExportConfig
 from lora_tune.errors import UserError
 from lora_tune.models import shards
 from lora_tune.models.loading import load_config

@@ -39,7 +39,7 @@ from safetensors.torch import load_file
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import logging as hf_logging
 
-from lora_tune.config import MergeConfig, parse_size
+from lora_tune.after.options import MergeConfig
 from lora_tune.errors import UserError, first_line, sigterm_stops
 from lora_tune.files import pid_alive, remove_tree
 from lora_tune.models import shards
@@ -48,6 +48,7 @@ from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import dequantizing, load_config, quant_method
 from lora_tune.models.structure import auto_class, meta_model, model_class, text_ids
 from lora_tune.models.targets import lora_layers, lora_target
+from lora_tune.options import parse_size
 
 log = logging.getLogger("lora_tune")
 

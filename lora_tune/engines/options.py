@@ -1,0 +1,50 @@
+"""The options of the engines: which backend, ZeRO stage, offload and how many processes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from lora_tune.options import FREE, MATH, Options
+
+# Offload targets; which run is each backend's call.
+Offload = Literal["none", "cpu", "nvme"]
+
+
+class EngineOptions(Options):
+    """The training backend (read by lora_tune.engines.registry and each backend)."""
+
+    section = "engine"
+
+    backend: str | None = Field(
+        None,
+        json_schema_extra={**MATH, "registry": "names"},
+        description="Training engine (see the README's compatibility matrix); default: the backend whose stage --zero names, "
+        "else one device.",
+    )
+    zero: int = Field(
+        0,
+        ge=0,
+        json_schema_extra={**MATH, "registry": "stages"},
+        description="DeepSpeed ZeRO stage (implies --backend deepspeed): 1 (shard optimizer states), 2 (also gradients), 3 "
+        "(also the base weights, partitioned while loading); 0 = no DeepSpeed.",
+    )
+    offload: Offload = Field(
+        "none",
+        json_schema_extra=MATH,
+        description="With ZeRO or FSDP: offload optimizer states (ZeRO-3 and FSDP: also weights) to host RAM (cpu); nvme is "
+        "refused, with the reason.",
+    )
+    zero_config: str | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="A full DeepSpeed JSON (bucket sizes, overlap, ...); batch sizes, clipping and the stage are set from the "
+        "other options.",
+    )
+    nproc: int | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=FREE,
+        description="Start N local processes (torchrun underneath). Not needed when launched by torchrun, deepspeed or accelerate.",
+    )

@@ -1,0 +1,83 @@
+"""The options of the model room: which base, in which precision, and the LoRA put on it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from lora_tune.options import FREE, MATH, Options
+
+# Base precisions; which combinations run is each backend's call (lora_tune.engines).
+Precision = Literal["fp32", "bf16", "fp16", "8bit", "4bit"]
+
+
+class ModelOptions(Options):
+    """The base model and how its weights are loaded (read by lora_tune.models.loading)."""
+
+    section = "model"
+
+    base: str = Field(json_schema_extra=MATH, description="Base model: an alias (see `lora-tune models`), a hub id or a local directory.")
+    precision: Precision = Field(
+        "bf16",
+        json_schema_extra=MATH,
+        description="Base weights: bf16, fp16 (with loss scaling), fp32, 8bit (LLM.int8) or 4bit (NF4, double quant, bf16 "
+        "compute). LoRA weights always train in fp32.",
+    )
+    trust_remote_code: bool = Field(
+        False, json_schema_extra=MATH, description="Run model code shipped with a hub repo. Off by default: it executes arbitrary code."
+    )
+    allow_bin: bool = Field(
+        False,
+        json_schema_extra=FREE,
+        description="Allow loading pickle-based .bin weights when a model has no safetensors (unsafe with untrusted models).",
+    )
+    attn_implementation: Literal["auto", "sdpa", "sdpa_packed", "flash_attention_2", "eager"] = Field(
+        "auto",
+        json_schema_extra=FREE,
+        description="Attention kernels: auto = flash_attention_2 when installed on a supporting GPU; on a CPU with packing (and "
+        "no --compile) sdpa_packed, SDPA once per packed sample instead of a masked row; else sdpa.",
+    )
+
+
+class LoraOptions(Options):
+    """The adapter's shape (read by lora_tune.models.targets and .adapter)."""
+
+    section = "LoRA"
+
+    rank: int = Field(16, gt=0, json_schema_extra={**MATH, "hint": "typical values are 8, 16, 32, 64"}, description="LoRA rank r.")
+    alpha: float | None = Field(
+        None, json_schema_extra=MATH, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with --rslora). Default: 2 x rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        json_schema_extra=MATH,
+        description="Dropout on the LoRA input (0 skips the dropout layer: ~20% faster steps on small models; Unsloth and "
+        "LLaMA-Factory default to 0 as well).",
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).",
+    )
+    rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
+    dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
+    init_adapter: str | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Start from this adapter folder (e.g. an SFT run's output) instead of a fresh adapter; it is also the reference of "
+        "dpo/ipo/kto. Its rank and targets become the run's.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v):
+        if v is not None and (not v or "lm_head" in v):
+            raise ValueError("give module names such as q_proj v_proj (lm_head is never adapted); leave it out for all linear layers")
+        return v
+
+    @property
+    def lora_alpha(self) -> float:
+        return self.alpha if self.alpha is not None else 2.0 * self.rank
