@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_tune.after.merge import read_adapter
+from lora_tune.after.merge.reading import read_adapter
 from lora_tune.errors import UserError
 from lora_tune.models.aliases import ALIASES, architecture
 

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma2Config
 
 import lora_tune
 from lora_tune.after.export import gguf as gguf_format
-from lora_tune.after.export.gguf import FIXED_TEXT, fixed_prompts, gguf_logits, reading_config
+from lora_tune.after.export.gguf_check import FIXED_TEXT, fixed_prompts, gguf_logits, reading_config
 from lora_tune.after.export.gguf_lora import read_adapter_gguf
 from lora_tune.after.export.ollama import CHECK_CONVERSATION, predict, render, turn_pieces
 from lora_tune.cli import main
@@ -134,6 +134,33 @@ def test_refused_families_say_why_in_one_line(family, expected, tmp_path, capsys
     line = single_error_line(err)
     assert expected in line and ("merged folder" in line or "Serve the merged" in line)
     assert not out.exists() and not list(tmp_path.glob(".out.gguf*"))
+
+
+@pytest.mark.parametrize("key", ["final_logit_softcapping", "attn_logit_softcapping"])
+def test_gemma2_without_soft_capping_is_refused_and_a_missing_cap_is_written_as_transformers_default(key, trained, tmp_path, capsys):
+    """llama.cpp's gemma2 always soft-caps (cap * tanh(x / cap)), so no GGUF runs a Gemma-2 whose cap
+    is null. Unrefused, null was written as 0 (llama.cpp: scores or logits zeroed) while transformers'
+    GGUF reader, which has no key for the caps, ran its defaults: on the trained model the logits
+    drifted 2.5e-2 (final cap) or passed at 5.7e-3 (attention cap). A cap config.json lacks is
+    transformers' default, and is written as that, not as 0."""
+    config = json.loads((trained["gemma2"] / "config.json").read_text())
+    uncapped = tmp_path / "uncapped"
+    shutil.copytree(trained["gemma2"], uncapped)
+    (uncapped / "config.json").write_text(json.dumps({**config, key: None}))
+    out = tmp_path / "uncapped.gguf"
+    code, _, err = run_cli(["export", uncapped, "--output", out], capsys)
+    assert code == 2, err
+    line = single_error_line(err)
+    assert f"{key} null" in line and "Serve the merged folder" in line
+    assert not out.exists() and not list(tmp_path.glob(".uncapped.gguf*"))
+
+    default = tmp_path / "default"
+    shutil.copytree(trained["gemma2"], default)
+    (default / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != key}))
+    out = tmp_path / "default.gguf"
+    code, _, err = run_cli(["export", default, "--output", out], capsys)
+    assert code == 0, err
+    assert gguf.GGUFReader(out).fields[f"gemma2.{key}"].contents() == getattr(Gemma2Config(), key) == config[key]
 
 
 def test_default_families_models_export_unless_refused(tmp_path, capsys):

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from safetensors.torch import load_file as load
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lora_tune.after.merge import lora_modules, unmerged_forward
+from lora_tune.after.merge.reading import lora_modules
+from lora_tune.after.merge.verifying import unmerged_forward
 from lora_tune.cli import main
 from lora_tune.models.tiny_model import build_tiny_llama, build_tiny_model
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lora_tune.after.export import gguf as gguf_format
-from lora_tune.after.export import gguf_lora, ollama
+from lora_tune.after.export import gguf_check, gguf_lora, ollama
 from lora_tune.after.export.files import Source, check_output, open_source, put_in_place
 from lora_tune.after.options import ExportConfig
 from lora_tune.errors import UserError
@@ -70,7 +70,7 @@ def run(cfg: ExportConfig):
         result = (
             verify(gguf_path, source, family, planned, cfg)
             if cfg.verify
-            else gguf_format.RoundTrip(len(planned), notes=["not verified (--no-verify)"])
+            else gguf_check.RoundTrip(len(planned), notes=["not verified (--no-verify)"])
         )
         result.seconds = seconds
         if cfg.format == "ollama":
@@ -99,32 +99,32 @@ def run(cfg: ExportConfig):
 def verify(path: Path, source: Source, family, planned, cfg: ExportConfig):
     """Read back (tensors, shapes, metadata), tokenizer ids, and - up to 100M parameters - logits of
     transformers' GGUF loader vs the merged model on fixed prompts."""
-    gguf_format.check_file(path, planned, source.config, family)
-    result = gguf_format.RoundTrip(len(planned))
-    result.token_ids_equal = gguf_format.check_tokenizer(path, source.tokenizer_dir)
+    gguf_check.check_file(path, planned, source.config, family)
+    result = gguf_check.RoundTrip(len(planned))
+    result.token_ids_equal = gguf_check.check_tokenizer(path, source.tokenizer_dir)
     if not result.token_ids_equal:
         raise UserError(
             "verification failed: the tokenizer rebuilt from the GGUF encodes the fixed text to other ids (or other BOS/EOS/chat template) "
             "than the original; nothing was kept",
             exit_code=1,
         )
-    if source.n_params > gguf_format.FULL_CHECK_MAX_PARAMS:
+    if source.n_params > gguf_check.FULL_CHECK_MAX_PARAMS:
         result.notes.append(
             f"logits not compared: {source.n_params / 1e9:.1f}B parameters (the check holds two models in RAM up to "
-            f"{gguf_format.FULL_CHECK_MAX_PARAMS / 1e6:.0f}M)"
+            f"{gguf_check.FULL_CHECK_MAX_PARAMS / 1e6:.0f}M)"
         )
         log.info("verify: %s", result.notes[-1])
         return result
-    ids = gguf_format.fixed_prompts(source.tokenizer_dir, source.config["vocab_size"])
+    ids = gguf_check.fixed_prompts(source.tokenizer_dir, source.config["vocab_size"])
     want = source.reference(ids)
-    config, filled = gguf_format.reading_config(path, source.config)
+    config, filled = gguf_check.reading_config(path, source.config)
     if filled:
         result.notes.append(
             f"transformers' GGUF reader has no key for {', '.join(filled)} on this architecture: taken from the source for the logits check"
         )
         log.info("verify: %s", result.notes[-1])
-    got = gguf_format.gguf_logits(path, ids, config)
-    gguf_format.compare(got, want, cfg.quant, result)
+    got = gguf_check.gguf_logits(path, ids, config)
+    gguf_check.compare(got, want, cfg.quant, result)
     log.info(
         "verify: logits through transformers' GGUF loader vs the merged model: max diff %.2e (relative %.2e), greedy "
         "agreement %.2f%%, tokenizer ids equal",

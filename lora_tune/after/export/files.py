@@ -15,7 +15,7 @@ import torch
 from peft import PeftModel
 from transformers.utils import logging as hf_logging
 
-from lora_tune.after import merge as merger
+from lora_tune.after.merge import applying, reading, writing
 from lora_tune.after.options import ExportConfig
 from lora_tune.errors import UserError
 from lora_tune.models import shards
@@ -31,7 +31,7 @@ class Source:
     folder: Path
     config: dict
     tokenizer_dir: Path
-    tensors: list  # merger.PlannedTensor, in shard order
+    tensors: list  # writing.PlannedTensor, in shard order
     produce: Callable  # PlannedTensor -> fp32 tensor (merged when the source is a run)
     reference: Callable  # token ids -> fp32 logits of the merged model (base + adapter through peft for a run)
     adapter_dir: Path | None = None
@@ -53,25 +53,25 @@ def open_source(cfg: ExportConfig) -> Source:
     if not folder.is_dir():
         raise UserError(f"{cfg.source} does not exist; give a training run's --output-dir or a merged model folder")
     if (folder / "adapter_config.json").is_file():
-        adapter_config, weights = merger.read_adapter(folder)
+        adapter_config, weights = reading.read_adapter(folder)
         base_ref = cfg.base or adapter_config.get("base_model_name_or_path")
         if not base_ref:
             raise UserError(f"--base: {folder}/adapter_config.json records no base; pass --base")
-        base = merger.base_folder(base_ref)
+        base = reading.base_folder(base_ref)
         config = json.loads((base / "config.json").read_text())
-        tensors = [t for group in merger.plan_output(shards.weight_files(base), torch.float32, 1 << 62) for t in group]
+        tensors = [t for group in writing.plan_output(shards.weight_files(base), torch.float32, 1 << 62) for t in group]
         if adapter_config.get("target_parameters"):
             return Source("run", folder, config, folder, tensors, None, None, folder, adapter_config)  # refused by the format
         sources = {t.name: t.source for t in tensors}
-        adapter = merger.disk_adapter(base, folder, adapter_config, weights, sources, cfg.trust_remote_code)
-        adapter = adapter or merger.named_adapter(adapter_config, weights)
+        adapter = reading.disk_adapter(base, folder, adapter_config, weights, sources, cfg.trust_remote_code)
+        adapter = adapter or reading.named_adapter(adapter_config, weights)
         missing = sorted((set(adapter.modules) | set(adapter.replacements)) - set(sources))
         if missing:
             raise UserError(
                 f"--base: the adapter targets {missing[0]} (and {len(missing) - 1} more) which the base does not have; this "
                 "adapter was trained on another base"
             )
-        tensor_merger = merger.TensorMerger(adapter, torch.float32, verify=False, sources=sources)
+        tensor_merger = applying.TensorMerger(adapter, torch.float32, verify=False, sources=sources)
         tokenizer_dir = folder if (folder / "tokenizer_config.json").is_file() else base
         return Source(
             "run",
@@ -90,8 +90,8 @@ def open_source(cfg: ExportConfig) -> Source:
         if files is None:
             raise UserError(f"{folder} has no .safetensors weights; give a merged folder written by `lora-tune merge` or save_pretrained")
         config = json.loads((folder / "config.json").read_text())
-        tensors = [t for group in merger.plan_output(files, torch.float32, 1 << 62) for t in group]
-        reader = merger.TensorMerger(merger.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
+        tensors = [t for group in writing.plan_output(files, torch.float32, 1 << 62) for t in group]
+        reader = applying.TensorMerger(reading.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
         return Source(
             "merged",
             folder,

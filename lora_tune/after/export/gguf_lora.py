@@ -24,10 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lora_tune.after import merge as merger
 from lora_tune.after import serving
 from lora_tune.after.export import gguf as gguf_format
+from lora_tune.after.export import gguf_check
 from lora_tune.after.export.files import peft_logits, put_in_place
+from lora_tune.after.merge import applying, reading
 from lora_tune.errors import UserError
 
 log = logging.getLogger("lora_tune")
@@ -37,8 +38,8 @@ def lora_tensors(source, family, quant: str):
     """[(planned tensor, fp32 data in GGML layout)] for every LoRA pair, and the file's alpha."""
     import gguf  # noqa: PLC0415 - optional dependency (the [export] extra)
 
-    adapter_config, weights = merger.read_adapter(source.adapter_dir)
-    modules, replacements = merger.lora_modules(adapter_config, weights)
+    adapter_config, weights = reading.read_adapter(source.adapter_dir)
+    modules, replacements = reading.lora_modules(adapter_config, weights)
     config = source.config
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     name_map = gguf.get_tensor_name_map(arch, config.get("num_hidden_layers") or config.get("n_layer"))
@@ -97,17 +98,17 @@ def read_adapter_gguf(path: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.T
     return {k: (v["lora_a"], v["lora_b"]) for k, v in parts.items()}, alpha
 
 
-def verify(path: Path, source, family, tensors, quant: str, work: Path) -> gguf_format.RoundTrip:
+def verify(path: Path, source, family, tensors, quant: str, work: Path) -> gguf_check.RoundTrip:
     """Read back; then apply the adapter to a GGUF of the base as llama.cpp does and compare that
     model's logits (transformers' GGUF loader) with base + adapter through peft."""
     pairs, alpha = read_adapter_gguf(path)
     if len(pairs) * 2 != len(tensors):
         raise UserError(f"verification failed: {path.name} holds {2 * len(pairs)} LoRA tensors, {len(tensors)} were written", exit_code=1)
-    result = gguf_format.RoundTrip(len(tensors))
-    if source.n_params > gguf_format.FULL_CHECK_MAX_PARAMS:
+    result = gguf_check.RoundTrip(len(tensors))
+    if source.n_params > gguf_check.FULL_CHECK_MAX_PARAMS:
         result.notes.append("logits not compared: base above 100M parameters")
         return result
-    base_reader = merger.TensorMerger(merger.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
+    base_reader = applying.TensorMerger(reading.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
     planned = gguf_format.plan_tensors(source.config, family, [(t.name, t.shape) for t in source.tensors], "f16")
     by_name = source.by_name
     for t in planned:
@@ -125,11 +126,11 @@ def verify(path: Path, source, family, tensors, quant: str, work: Path) -> gguf_
     check_path = work / "base-with-adapter.gguf"
     gguf_format.write(check_path, source.config, family, planned, None, source.tokenizer_dir, "f16", f"{source.folder.name}-check")
     base_reader.close()
-    ids = gguf_format.fixed_prompts(source.tokenizer_dir, source.config["vocab_size"])
-    want = peft_logits(merger.base_folder(source.adapter_config["base_model_name_or_path"]), source.adapter_dir, ids, False)
-    config, filled = gguf_format.reading_config(check_path, source.config)
-    got = gguf_format.gguf_logits(check_path, ids, config)
-    gguf_format.compare(got, want, quant if quant in gguf_format.LOGITS_TOLERANCE else "f16", result)
+    ids = gguf_check.fixed_prompts(source.tokenizer_dir, source.config["vocab_size"])
+    want = peft_logits(reading.base_folder(source.adapter_config["base_model_name_or_path"]), source.adapter_dir, ids, False)
+    config, filled = gguf_check.reading_config(check_path, source.config)
+    got = gguf_check.gguf_logits(check_path, ids, config)
+    gguf_check.compare(got, want, quant if quant in gguf_check.LOGITS_TOLERANCE else "f16", result)
     result.token_ids_equal = None
     log.info(
         "verify: base GGUF + this adapter applied as llama.cpp applies it, vs base + adapter (peft): max diff %.2e (relative "
@@ -141,7 +142,7 @@ def verify(path: Path, source, family, tensors, quant: str, work: Path) -> gguf_
     return result
 
 
-def run(cfg, source, out: Path) -> gguf_format.RoundTrip:
+def run(cfg, source, out: Path) -> gguf_check.RoundTrip:
     if source.kind != "run":
         raise UserError(
             "--format gguf-lora: give a training run's folder (the adapter); a merged folder has no adapter left. Use --format gguf for it"
@@ -166,7 +167,7 @@ def run(cfg, source, out: Path) -> gguf_format.RoundTrip:
         result = (
             verify(path, source, family, tensors, cfg.quant, tmp)
             if cfg.verify
-            else gguf_format.RoundTrip(len(tensors), notes=["not verified (--no-verify)"])
+            else gguf_check.RoundTrip(len(tensors), notes=["not verified (--no-verify)"])
         )
         result.seconds = seconds
         put_in_place(path, out)

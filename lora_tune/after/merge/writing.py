@@ -1,0 +1,156 @@
+"""The merged folder: output shards planned from the base's safetensors headers alone and written
+tensor by tensor, its index, config and tokenizer files; and an --output that is safe to write."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lora_tune.errors import UserError
+from lora_tune.files import pid_alive, remove_tree
+from lora_tune.models import shards
+
+log = logging.getLogger("lora_tune")
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class PlannedTensor:
+    name: str
+    source: Path  # the base shard it comes from
+    shape: list[int]
+    dtype: torch.dtype  # as written
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_output(shards_: list[Path], out_dtype: torch.dtype, max_bytes: int) -> list[list[PlannedTensor]]:
+    """Group every base tensor, in order, into output shards of at most max_bytes, from the
+    safetensors headers alone (nothing is loaded)."""
+    groups: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for shard in shards_:
+        for name, entry in shards.read_header(shard).items():
+            dtype = shards.DTYPES.get(entry.dtype)
+            if dtype is None:
+                raise UserError(
+                    f"--base: {name} in {shard} is stored as {entry.dtype}, which merge does not read; convert the base to bf16/fp16/fp32"
+                )
+            tensor = PlannedTensor(name, shard, list(entry.shape), out_dtype if dtype.is_floating_point else dtype)
+            if groups[-1] and size + tensor.nbytes > max_bytes:
+                groups.append([])
+                size = 0
+            groups[-1].append(tensor)
+            size += tensor.nbytes
+    return groups
+
+
+def write_shard(path: Path, planned: list[PlannedTensor], produce) -> None:
+    """Write one safetensors file tensor by tensor: the header is known from the plan, so each
+    merged tensor goes to disk as soon as it is computed and is then dropped."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for t in planned:
+        header[t.name] = {"dtype": shards.NAMES[t.dtype], "shape": t.shape, "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the format aligns the data section to 8 bytes
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in planned:
+            tensor = produce(t)
+            if tensor.dtype != t.dtype or list(tensor.shape) != t.shape:
+                raise RuntimeError(f"{t.name}: produced {tensor.dtype} {list(tensor.shape)}, planned {t.dtype} {t.shape}")
+            f.write(tensor.reshape(-1).contiguous().view(torch.uint8).numpy().data if tensor.numel() else b"")  # 0-d too
+
+
+def shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def write_index(folder: Path, groups: list[list[PlannedTensor]], names: list[str]) -> None:
+    if len(names) == 1:
+        return
+    weight_map = {t.name: name for group, name in zip(groups, names) for t in group}
+    total = sum(t.nbytes for group in groups for t in group)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_side_files(base: Path, adapter_dir: Path, out: Path, dtype: str) -> None:
+    """config.json (chosen dtype, no quantization config), generation config, tokenizer files."""
+    config = json.loads((base / "config.json").read_text())
+    config.pop("quantization_config", None)
+    config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    if "torch_dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    if (base / "generation_config.json").is_file():
+        shutil.copy2(base / "generation_config.json", out / "generation_config.json")
+    # The tokenizer saved beside the adapter is the one training used (chat template included).
+    source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, out / name)
+
+
+def check_apart(out: Path, folder: Path, what: str) -> None:
+    """--output is never the adapter's or the base's folder, nor inside one, nor around one: the
+    merge (with --overwrite, the swap) would delete its own input. --overwrite does not change that."""
+    out_r, folder_r = out.resolve(), folder.resolve()
+    if out_r == folder_r:
+        relation = "is"
+    elif folder_r in out_r.parents:
+        relation = "is inside"
+    elif out_r in folder_r.parents:
+        relation = "contains"
+    else:
+        return
+    raise UserError(
+        f"--output: {out} {relation} the {what} folder {folder}; merge never writes there, --overwrite or not (it would destroy "
+        "its own input). Choose another --output"
+    )
+
+
+def prepare_output(out: Path, overwrite: bool) -> None:
+    """Refuses an --output that can't be written or would replace something without --overwrite;
+    removes the temporary folders that a merge killed outright (SIGKILL) left beside it."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == out and not out.is_dir():
+        raise UserError(f"--output: {out} is a file; give a folder")
+    if not existing.is_dir():
+        raise UserError(f"--output: {out} would be inside {existing}, which is a file; give a folder")
+    parent = out.parent if out.parent.exists() else existing
+    if os.statvfs(parent).f_flag & os.ST_RDONLY or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"--output: {parent} can't be written (read-only or no permission); choose another --output")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--output: {out} is not empty; choose another folder or pass --overwrite")
+    if out.parent.is_dir():
+        for left in out.parent.glob(f".{out.name}.*-*"):
+            kind, _, pid = left.name.removeprefix(f".{out.name}.").partition("-")
+            if kind in ("tmp", "old") and pid.isdigit() and not pid_alive(pid):
+                log.info("removing %s, left by a merge that was killed", left)
+                remove_tree(left)
