@@ -1,7 +1,7 @@
 """Check lora_tune.models.checkpoint_layout against transformers itself, per layer, on tiny checkpoints of
 the families whose on-disk layout differs from the module tree.
 
-For each family: a tiny random model (lora_tune.models.tiny_configs.shrink_config) is saved with
+For each family: a tiny random model (lora_tune.models.tiny.configs.shrink_config) is saved with
 save_pretrained; then, one decoder layer at a time,
   disk -> model   the layer's checkpoint tensors (grouped by group_disk_keys on a meta skeleton)
                   through disk_to_model must equal what from_pretrained loaded, bit for bit;
@@ -46,7 +46,7 @@ def check(model_type: str, root: Path) -> str:
 
     from lora_tune.models.checkpoint_layout import CheckpointLayout
     from lora_tune.models.structure import auto_class
-    from lora_tune.models.tiny_configs import shrink_config
+    from lora_tune.models.tiny.configs import shrink_config
 
     config = shrink_config(CONFIG_MAPPING[model_type]())
     auto = auto_class(config)

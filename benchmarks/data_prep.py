@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[20_000, 200_000, 1_000_000])
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
-    from lora_tune.models.tiny_model import build_tiny_llama
+    from lora_tune.models.tiny.model import build_tiny_llama
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="data-prep-"))
     work.mkdir(parents=True, exist_ok=True)

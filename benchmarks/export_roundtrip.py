@@ -87,7 +87,7 @@ def sharded_run(root: Path, layers: int) -> tuple[Path, list[Path]]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from lora_tune.models.tiny_model import build_tiny_llama
+    from lora_tune.models.tiny.model import build_tiny_llama
 
     base = build_tiny_llama(
         root / f"base-small-{layers}",

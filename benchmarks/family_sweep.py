@@ -1,7 +1,7 @@
 """Every family transformers implements, tried as a new user would: train, merge, plan, pack.
 
 For every model type in transformers' causal-LM and image-text-to-text auto mappings, a tiny random
-model is built from its default config (`lora_tune.models.tiny_model.build_tiny_model`: shrink_config keeps
+model is built from its default config (`lora_tune.models.tiny.model.build_tiny_model`: shrink_config keeps
 the layer kinds, 64 wide, <= 4 experts; saved from the class real checkpoints are saved from, with
 the tiny 512-token tokenizer), then, each model type in a process of its own:
 
@@ -136,7 +136,7 @@ def check_family(model_type: str, workdir: Path) -> dict:
 
     from lora_tune.models.loading import head_probe, load_config, packing_probe
     from lora_tune.models.structure import auto_class, body_path, text_ids
-    from lora_tune.models.tiny_model import build_tiny_model
+    from lora_tune.models.tiny.model import build_tiny_model
 
     row: dict = {"model_type": model_type, "stages": {}}
     stages = row["stages"]

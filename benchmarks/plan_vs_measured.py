@@ -122,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp())
     if args.tiny:
-        from lora_tune.models.tiny_model import build_tiny_llama
+        from lora_tune.models.tiny.model import build_tiny_llama
 
         base, seq, precisions = build_tiny_llama(work / "tiny"), 128, ["bf16", "4bit"]
     else:

@@ -39,7 +39,7 @@ def build_model(folder: Path, tiny: bool) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lora_tune.models.tiny_model import train_tiny_tokenizer
+    from lora_tune.models.tiny.model import train_tiny_tokenizer
 
     if (folder / "config.json").exists():
         return folder

@@ -30,7 +30,7 @@ def check(model_type: str) -> dict:
         packing_probe,
         stateful_layers,
     )
-    from lora_tune.models.tiny_configs import shrink_config
+    from lora_tune.models.tiny.configs import shrink_config
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from family_sweep import auto_class

@@ -17,7 +17,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora-tune-te
 import datasets.utils.logging  # noqa: E402
 import pytest  # noqa: E402
 
-from lora_tune.models.tiny_model import build_tiny_llama  # noqa: E402
+from lora_tune.models.tiny.model import build_tiny_llama  # noqa: E402
 
 from helpers import ALPACA, CHAT, PROMPT_COMPLETION, TEXT, write_jsonl  # noqa: E402
 

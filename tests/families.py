@@ -22,7 +22,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from lora_tune.models.tiny_model import train_tiny_tokenizer
+from lora_tune.models.tiny.model import train_tiny_tokenizer
 
 # Gemma's and Mistral's templates refuse a system turn (and insist on user/assistant alternation).
 NO_SYSTEM_TEMPLATE = (

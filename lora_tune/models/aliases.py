@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 from huggingface_hub import constants, scan_cache_dir
 
 from lora_tune.errors import UserError, did_you_mean
-from lora_tune.models.tiny_model import build_tiny_llama, tiny_llama_config
+from lora_tune.models.tiny.model import build_tiny_llama, tiny_llama_config
 
 
 @dataclass(frozen=True)

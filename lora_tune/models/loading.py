@@ -18,7 +18,8 @@ from lora_tune.errors import UserError, first_line
 from lora_tune.models import attention
 from lora_tune.models.head import SOFTCAP_KEYS
 from lora_tune.models.structure import auto_class, decoder_body, model_class
-from lora_tune.models.tiny_configs import TEXT_VOCAB, shrink_config
+from lora_tune.models.tiny.configs import shrink_config
+from lora_tune.models.tiny.sizes import TEXT_VOCAB
 
 log = logging.getLogger("lora_tune")
 

@@ -18,7 +18,7 @@ from lora_tune.after.export.gguf_check import FIXED_TEXT, fixed_prompts, gguf_lo
 from lora_tune.after.export.gguf_lora import read_adapter_gguf
 from lora_tune.after.export.ollama import CHECK_CONVERSATION, predict, render, turn_pieces
 from lora_tune.cli import main
-from lora_tune.models.tiny_model import _CORPUS
+from lora_tune.models.tiny.model import _CORPUS
 
 from families import FAMILIES, build_family
 from helpers import TEXT, fast_train_args, run_cli, single_error_line, write_jsonl

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lora_tune.after.merge.reading import lora_modules
 from lora_tune.after.merge.verifying import unmerged_forward
 from lora_tune.cli import main
-from lora_tune.models.tiny_model import build_tiny_llama, build_tiny_model
+from lora_tune.models.tiny.model import build_tiny_llama, build_tiny_model
 
 from helpers import TEXT, fast_train_args, run_cli, single_error_line, tree_digest, write_jsonl
 

@@ -29,7 +29,7 @@ from lora_tune.models.targets import (
     peft_exact_targets,
     resolve_targets,
 )
-from lora_tune.models.tiny_configs import shrink_config
+from lora_tune.models.tiny.configs import shrink_config
 
 from families import build_family
 

@@ -13,7 +13,7 @@ from transformers import CONFIG_MAPPING
 
 from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.structure import auto_class, meta_model
-from lora_tune.models.tiny_configs import shrink_config
+from lora_tune.models.tiny.configs import shrink_config
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "gemma3"])

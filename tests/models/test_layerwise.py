@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from lora_tune.models import layerwise
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import auto_class, text_ids
-from lora_tune.models.tiny_model import build_tiny_model
+from lora_tune.models.tiny.model import build_tiny_model
 
 
 def test_the_reader_returns_every_tensor_as_stored(tiny_model):

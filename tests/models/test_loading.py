@@ -14,7 +14,7 @@ from transformers import AutoConfig, BloomConfig, LlamaConfig, MambaConfig, Mamb
 import lora_tune.models.loading as model_loading
 from lora_tune.errors import UserError
 from lora_tune.models.loading import attention_implementation, checkpointing_refusal, load_base_model, packing_refusal
-from lora_tune.models.tiny_model import build_tiny_model, train_tiny_tokenizer
+from lora_tune.models.tiny.model import build_tiny_model, train_tiny_tokenizer
 
 from helpers import fast_train_args, read_metrics, run_cli
 

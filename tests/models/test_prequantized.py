@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM, Mxfp4Config
 
 from lora_tune.models.structure import text_ids
-from lora_tune.models.tiny_configs import shrink_config
-from lora_tune.models.tiny_model import train_tiny_tokenizer
+from lora_tune.models.tiny.configs import shrink_config
+from lora_tune.models.tiny.model import train_tiny_tokenizer
 
 from helpers import fast_train_args, read_metrics, run_cli, single_error_line
 

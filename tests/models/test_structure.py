@@ -9,7 +9,7 @@ from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoModelForImage
 
 from lora_tune.models.structure import auto_class, body_path, decoder_body, meta_model, model_class
 from lora_tune.models.targets import Inventory
-from lora_tune.models.tiny_configs import shrink_config
+from lora_tune.models.tiny.configs import shrink_config
 
 
 def shrink(model_type: str):

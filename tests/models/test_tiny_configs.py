@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM
 
-from lora_tune.models.tiny_configs import shrink_config
+from lora_tune.models.tiny.configs import shrink_config
 
 
 def shrink(model_type: str):

@@ -15,7 +15,7 @@ from lora_tune.data.prepare import Sample
 from lora_tune.engines.single import SingleDeviceEngine
 from lora_tune.models.adapter import Checkpointing, add_lora
 from lora_tune.models.loading import compute_dtype, load_base_model
-from lora_tune.models.tiny_model import build_tiny_llama
+from lora_tune.models.tiny.model import build_tiny_llama
 from lora_tune.planner import memory as plan
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.measured import cpu_tensor_peak

@@ -13,7 +13,7 @@ from peft import LoraConfig, get_peft_model
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
-from lora_tune.models.tiny_model import build_tiny_llama
+from lora_tune.models.tiny.model import build_tiny_llama
 from lora_tune.training import compilation
 from lora_tune.training.compilation import compile_layers, decoder_layers
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from lora_tune.cli import setup_logging
 from lora_tune.config import TrainConfig
 from lora_tune.models.adapter import checkpointed_layers
-from lora_tune.models.tiny_model import build_tiny_llama
+from lora_tune.models.tiny.model import build_tiny_llama
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import estimate, setup_from
 from lora_tune.preflight import check_inputs

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import CONFIG_MAPPING, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from lora_tune.models.structure import auto_class
-from lora_tune.models.tiny_configs import shrink_config
+from lora_tune.models.tiny.configs import shrink_config
 
 # A Llama-3-style template: every assistant turn ends with the EOS token, so a model trained on it
 # learns to stop. It is the template `tiny-llama` ships with.
