@@ -250,38 +250,64 @@ class PeftRefused(Exception):
     """peft raised while injecting the targets (the message is its first line)."""
 
 
+class PeftOnMeta:
+    """peft injecting LoRA into meta skeletons of one model (shapes only, no memory) the way training
+    will, each set of targets once: resolving the default targets, the exact-targets rewrite and the
+    load-back check all ask it, so checking a run builds one skeleton per set of targets tried (one,
+    mostly) instead of one per question."""
+
+    def __init__(self, config, cfg):
+        self.config, self.cfg = config, cfg
+        self.injected: dict[Targets, tuple[set[str], dict[str, int], object] | PeftRefused] = {}
+
+    def inject(self, targets: Targets) -> tuple[set[str], dict[str, int]]:
+        """(the tensors asked for, what peft adapted: name -> rank). Raises PeftRefused."""
+        if targets not in self.injected:
+            skeleton = meta_model(self.config)
+            wanted = targets.weights(skeleton)
+            try:
+                with torch.device("meta"):
+                    peft_model = get_peft_model(skeleton, lora_config(self.cfg, targets))
+                self.injected[targets] = (wanted, adapted_weights(peft_model), peft_model)
+            except (ValueError, TypeError, RuntimeError, KeyError) as e:
+                self.injected[targets] = PeftRefused(first_line(e))
+        found = self.injected[targets]
+        if isinstance(found, PeftRefused):
+            raise found
+        return found[0], found[1]
+
+    def model(self, targets: Targets):
+        """The meta peft model of these targets (injected once)."""
+        self.inject(targets)
+        return self.injected[targets][2]
+
+
 def inject_on_meta(config, cfg, targets: Targets) -> tuple[set[str], dict[str, int]]:
     """Inject the targets into a meta skeleton of `config` (no memory) the way training will: (the
     tensors asked for, what peft adapted). Raises PeftRefused."""
-    skeleton = meta_model(config)
-    wanted = targets.weights(skeleton)
-    try:
-        with torch.device("meta"):
-            peft_model = get_peft_model(skeleton, lora_config(cfg, targets))
-    except (ValueError, TypeError, RuntimeError, KeyError) as e:
-        raise PeftRefused(first_line(e)) from None
-    return wanted, adapted_weights(peft_model)
+    return PeftOnMeta(config, cfg).inject(targets)
 
 
-def probe_peft(config, cfg, targets: Targets) -> tuple[set[str], dict[str, int]]:
-    """inject_on_meta, peft refusing the targets being one error line."""
+def probe_peft(meta: PeftOnMeta, targets: Targets) -> tuple[set[str], dict[str, int]]:
+    """meta.inject, peft refusing the targets being one error line."""
     try:
-        return inject_on_meta(config, cfg, targets)
+        return meta.inject(targets)
     except PeftRefused as e:
         names = ", ".join(targets.modules + targets.parameters)
         raise UserError(f"--target-modules: peft can't adapt {names} on this model ({e})") from None
 
 
-def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
+def peft_exact_targets(config, cfg, targets: Targets, meta: PeftOnMeta | None = None) -> Targets:
     """The targets in a form peft adapts exactly as asked. peft 0.21 rewrites the targets of model
     types whose checkpoints transformers fuses (MoE): it drops gate/up/down_proj from target_modules
     (so dense first layers and shared experts get no LoRA) and doubles the rank of fused gate_up
     experts. Linears named in target_parameters by their block path are left alone (and load back
     with stock peft); whatever still differs is refused in one line, before loading. Default
     targets that peft refuses to adapt (Mamba's in/out projections) are left out, and said so."""
+    meta = meta or PeftOnMeta(config, cfg)
     if not cfg.target_modules:
-        targets = peft_accepted(config, cfg, targets)
-    wanted, adapted = probe_peft(config, cfg, targets)
+        targets = peft_accepted(config, cfg, targets, meta)
+    wanted, adapted = probe_peft(meta, targets)
     mismatch = adaptation_mismatch(wanted, adapted, cfg.rank)
     if mismatch is None:
         return targets
@@ -293,7 +319,7 @@ def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
         moved = tuple(sorted({n if targets.scope else block_path(n) for n in linears} - set(targets.parameters), key=natural_order))
         modules = tuple(m for m in targets.modules if m not in dropped)
         candidate = Targets(modules, targets.parameters + moved, targets.scope if modules else None)
-        if adaptation_mismatch(*probe_peft(config, cfg, candidate), cfg.rank) is None:
+        if adaptation_mismatch(*probe_peft(meta, candidate), cfg.rank) is None:
             if cfg.precision in ("8bit", "4bit"):
                 raise UserError(
                     f"--precision {cfg.precision}: peft rewrites the LoRA targets of {config.model_type} models ({mismatch}); the way "
@@ -314,18 +340,19 @@ def peft_exact_targets(config, cfg, targets: Targets) -> Targets:
     )
 
 
-def peft_accepted(config, cfg, targets: Targets) -> Targets:
+def peft_accepted(config, cfg, targets: Targets, meta: PeftOnMeta | None = None) -> Targets:
     """The default targets without the linear layers peft refuses to adapt on this model (each
     tried alone on a meta skeleton when all of them together are refused), logged."""
+    meta = meta or PeftOnMeta(config, cfg)
     try:
-        inject_on_meta(config, cfg, targets)
+        meta.inject(targets)
         return targets
     except PeftRefused:
         pass
     refused = {}
     for name in targets.modules:
         try:
-            inject_on_meta(config, cfg, Targets((name,), (), targets.scope))
+            meta.inject(Targets((name,), (), targets.scope))
         except PeftRefused as e:
             refused[name] = str(e)
     if not refused or len(refused) == len(targets.modules):
@@ -335,16 +362,18 @@ def peft_accepted(config, cfg, targets: Targets) -> Targets:
     return Targets(tuple(m for m in targets.modules if m not in refused), targets.parameters, targets.scope)
 
 
-def check_loads_back(config, cfg, targets: Targets) -> None:
+def check_loads_back(config, cfg, targets: Targets, meta: PeftOnMeta | None = None) -> None:
     """Refuse, before loading, an adapter stock peft could not load back onto this model: peft
     0.21 renames adapter keys with transformers' conversion mapping on load, and for a few model
     types the patterns also match the names the model already uses (Laguna's `shared_expert.`
     matches `shared_experts.`), so PeftModel.from_pretrained, resume and eval would silently drop
-    those LoRA tensors. Tried on meta skeletons: the adapter's own state dict loaded back."""
+    those LoRA tensors. Tried on the meta skeleton the targets were injected into: the adapter's own
+    state dict loaded back (into the same structure a fresh PeftModel.from_pretrained builds)."""
+    peft_model = (meta or PeftOnMeta(config, cfg)).model(targets)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # peft warns about the keys it drops: counted here instead
-        state = get_peft_model_state_dict(get_peft_model(meta_model(config), lora_config(cfg, targets)))
-        result = set_peft_model_state_dict(get_peft_model(meta_model(config), lora_config(cfg, targets)), state)
+        state = get_peft_model_state_dict(peft_model)
+        result = set_peft_model_state_dict(peft_model, state)
     dropped = sorted(k for k in result.unexpected_keys if "lora_" in k)
     if dropped:
         raise UserError(
@@ -396,8 +425,9 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
             "could not be merged",
             ", ".join(inventory.tied),
         )
-    targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg))
-    check_loads_back(config, cfg, targets)
+    meta = PeftOnMeta(config, cfg)
+    targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg), meta)
+    check_loads_back(config, cfg, targets, meta)
     log.info("LoRA targets: %s", targets.describe(skeleton))
     fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
     note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
