@@ -46,14 +46,38 @@ class TrainingStopped(Exception):
         self.label = label
 
 
+class Terminated(BaseException):
+    """What the SIGTERM handler of `sigterm_stops` raises: not an Exception, so that no library's
+    `except Exception` (datasets' map, a retry loop) takes it for an error of its own and goes on."""
+
+
+class SigtermStop:
+    """The state of a `sigterm_stops` block: whether SIGTERM came, and the stop it turns into."""
+
+    def __init__(self, doing: str, outcome: str):
+        self.fired = False
+        self.stopped = TrainingStopped(f"stopped by SIGTERM while {doing}; {outcome}", 143)
+
+    def check(self) -> None:
+        """Raise the stop if SIGTERM came, even if what it raised was swallowed: called before the
+        block commits its work (renames a finished build into place), so the message stays true."""
+        if self.fired:
+            raise self.stopped
+
+
 @contextmanager
 def sigterm_stops(doing: str, outcome: str):
-    """While the block runs, SIGTERM raises TrainingStopped (exit 143: "stopped by SIGTERM while
-    DOING; OUTCOME") instead of ending the process on the spot, so the block's `finally` clauses
-    remove what it had half written. Only in the main thread of the process that entered it
-    (forked workers keep the default), and never where SIGTERM is ignored."""
+    """While the block runs, SIGTERM stops it with TrainingStopped (exit 143: "stopped by SIGTERM
+    while DOING; OUTCOME") instead of ending the process on the spot, so the block's `finally`
+    clauses remove what it had half written. The handler raises `Terminated` (a BaseException) and
+    also records the signal, so the stop holds whatever happens to that exception on its way out:
+    wrapped by a library's error, or swallowed where Python ignores exceptions (a finalizer) or by a
+    library that catches everything, in which case the block stops at its next `check()` or at its
+    end. Only in the main thread of the process that entered it (forked workers keep the default),
+    and never where SIGTERM is ignored. Yields the SigtermStop."""
+    state = SigtermStop(doing, outcome)
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
-        yield
+        yield state
         return
     owner = os.getpid()
 
@@ -62,10 +86,16 @@ def sigterm_stops(doing: str, outcome: str):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        raise TrainingStopped(f"stopped by SIGTERM while {doing}; {outcome}", 143)
+        state.fired = True
+        raise Terminated
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:
-        yield
+        yield state
+    except BaseException:
+        if state.fired:  # the signal's exception, or whatever a library turned it into
+            raise state.stopped from None
+        raise
     finally:
         signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    state.check()

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 
 import lora_tune.data.prepare as data_prepare
@@ -97,6 +99,12 @@ def damage(folder: Path, how: str) -> None:
     arrow = next((folder / "data").glob("*.arrow"))
     if how == "truncated arrow":
         arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])
+    elif how == "corrupted buffers":  # a token id changed inside the data, the Arrow file still valid
+        raw = bytearray(arrow.read_bytes())
+        ids = datasets.load_from_disk(str(folder / "data"))[0]["input_ids"]
+        at = raw.index(struct.pack(f"<{len(ids)}i", *ids))
+        raw[at + 4 : at + 8] = struct.pack("<i", ids[1] + 1)  # the second token of the first sample, another real id
+        arrow.write_bytes(bytes(raw))
     elif how == "garbage arrow":
         arrow.write_bytes(os.urandom(arrow.stat().st_size))
     elif how == "empty meta":
@@ -105,7 +113,7 @@ def damage(folder: Path, how: str) -> None:
         (folder / "data" / "state.json").write_text('{"_data_files": [{"filename": "gone.arrow"}]}')
 
 
-@pytest.mark.parametrize("how", ["truncated arrow", "garbage arrow", "empty meta", "other library version"])
+@pytest.mark.parametrize("how", ["truncated arrow", "corrupted buffers", "garbage arrow", "empty meta", "other library version"])
 def test_a_damaged_cache_entry_is_built_again_with_one_line(how, tmp_path, tokenizer, caplog):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"row {i}"} for i in range(8)])
     options = dict(data_cache_dir=str(tmp_path / "cache"))

@@ -154,11 +154,11 @@ def finish(out: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) ->
     """Run `write(tmp)` (-> drift, or None when not verified) into a hidden temporary folder, add
     the side files, check the drift, and only then put the folder in place."""
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    with sigterm_stops(f"merging into {out}", "nothing was written. Run the same command again"):
-        return _finish(out, tmp, write, base, adapter_dir, cfg)
+    with sigterm_stops(f"merging into {out}", "nothing was written. Run the same command again") as stop:
+        return _finish(out, tmp, write, base, adapter_dir, cfg, stop.check)
 
 
-def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig) -> Path:
+def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: MergeConfig, before_commit) -> Path:
     remove_tree(tmp)
     tmp.mkdir(parents=True)
     try:
@@ -172,6 +172,7 @@ def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: Mer
                     "nothing was written"
                 )
             log.info("verified: drift %.2e within tolerance %.0e for %s", drift, tolerance, cfg.dtype)
+        before_commit()  # a SIGTERM that came while merging stops it here, before anything is in place
         if out.exists():  # --overwrite: swap, so the old folder is only gone once the new one is in place
             old = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, old)
