@@ -6,12 +6,9 @@ import json
 
 import pytest
 
-import lora_tune.preflight
 from lora_tune.data.formats.alpaca import NO_INPUT
 from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.errors import UserError
-
-from helpers import fast_train_args, run_cli, single_error_line
 
 
 def test_text_lines_are_prompts_as_written(tmp_path, tokenizer):
@@ -58,14 +55,3 @@ def test_a_binary_prompt_file_is_one_error(suffix, data, message, tmp_path, toke
     path.write_bytes(data)
     with pytest.raises(UserError, match=f"--eval-prompts: .* {message}"):
         read_eval_prompts(str(path), tokenizer)
-
-
-def test_bad_eval_prompts_are_refused_before_the_data_stage(tiny_model, data_files, tmp_path, capsys, monkeypatch):
-    def no_data_stage(*a, **k):
-        raise AssertionError("the prompts must be checked before the data is tokenized")
-
-    monkeypatch.setattr(lora_tune.preflight, "prepare_data", no_data_stage)
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "ok"}\n[1]\n')
-    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], tmp_path / "run", eval_prompts=prompts), capsys)
-    assert code == 2 and "line 2 is a JSON list" in single_error_line(err)

@@ -4,6 +4,7 @@ range, and a truncated, empty or foreign file named before anything reads it."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -69,3 +70,13 @@ def test_a_folder_without_weights_has_no_shards(tmp_path):
     (tmp_path / shards.INDEX).write_text("not json")
     with pytest.raises(UserError, match="is unreadable or not a safetensors index"):
         shards.shard_files(tmp_path)
+
+
+def test_a_hub_base_is_fingerprinted_from_its_local_snapshot(tiny_model, tmp_path, monkeypatch):
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    shutil.copytree(tiny_model, snapshot)
+    monkeypatch.setattr(shards, "try_to_load_from_cache", lambda repo, name: str(snapshot / name) if repo == "org/tiny" else None)
+    assert shards.base_fingerprint("org/tiny", False) == shards.base_fingerprint(str(tiny_model), False)
+    assert shards.base_fingerprint("org/elsewhere", False) is None  # not in the cache: from_pretrained downloads it
+    (snapshot / "model.safetensors").unlink()  # not all downloaded yet
+    assert shards.base_fingerprint("org/tiny", False) is None
