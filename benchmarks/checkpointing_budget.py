@@ -15,17 +15,15 @@ is compared with the plan and the budget less that term.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from commands import train_argv
+from commands import bench_options, train_argv
 from train_vs_peers import build_model, long_tail_rows
 
 
@@ -59,18 +57,12 @@ def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--tiny", action="store_true", help="a 4-layer tiny model and short rows (for the test suite)")
-    args = parser.parse_args()
+    args, work = bench_options(6, "a 4-layer tiny model and short rows", "checkpointing-budget-")
     from lora_tune.config import TrainConfig
     from lora_tune.planner.architecture import load_architecture
     from lora_tune.planner.memory import CUDA_CONTEXT, estimate, setup_from
     from lora_tune.planner.speed import checkpointing_cost
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="checkpointing-budget-"))
-    work.mkdir(parents=True, exist_ok=True)
     seq = 1024
     rows = long_tail_rows(16 if args.tiny else 24, seed=0, equal_length=True)
     data = work / "equal.jsonl"

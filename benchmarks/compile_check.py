@@ -14,7 +14,6 @@ misses, and the largest relative difference of a step's loss from eager's.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -24,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from commands import train_argv
+from commands import bench_options, train_argv
 from train_vs_peers import build_model, long_tail_rows
 
 REPORT = re.compile(r"(step 1|over the run): compiled (\d+) graph\(s\) in ([\d.]+) s \(Inductor cache: (\d+) hit\(s\), (\d+) miss\(es\)\)")
@@ -52,13 +51,7 @@ def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--tiny", action="store_true", help="the tiny shape and short rows (for the test suite)")
-    args = parser.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="compile-check-"))
-    work.mkdir(parents=True, exist_ok=True)
+    args, work = bench_options(20, "the tiny shape and short rows", "compile-check-")
     shape, seq, n = ("tiny", 256, 48) if args.tiny else ("cpu", 1024, 160)
     rows = long_tail_rows(n, seed=1, equal_length=False)
     data = work / "long_tail.jsonl"

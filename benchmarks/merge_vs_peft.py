@@ -54,19 +54,15 @@ print("RESULT", 0.0, peak())
 def build(workdir: Path) -> tuple[Path, Path]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
+
+    from lora_tune.models.tiny.model import tiny_llama_config
 
     base, adapter = workdir / "base", workdir / "adapter"
     if (base / "model.safetensors.index.json").exists() and (adapter / "adapter_model.safetensors").exists():
         return base, adapter
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=12,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        tie_word_embeddings=False,
+    config = tiny_llama_config(
+        32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

@@ -98,41 +98,52 @@ class RegistryHelp(argparse.HelpFormatter):
         return text + " Choices: " + "; ".join(f"{c}: {d}" for c, d in choices.items()).replace("%", "%%") if choices else text
 
 
+def add_command(sub, name: str, schema, short: str, long: str, config_help: str = "YAML file with any of the options below", **kw):
+    """A subcommand whose flags are `schema`'s fields, with --config FILE for the same keys in YAML;
+    `source=True`: SOURCE may also be given positionally."""
+    source = kw.pop("source", False)
+    command = sub.add_parser(name, help=short, description=long, **kw)
+    if source:
+        command.add_argument(
+            "source_arg", nargs="?", metavar="SOURCE", default=argparse.SUPPRESS, help=schema.model_fields["source"].description
+        )
+    command.add_argument("--config", metavar="FILE", help=config_help)
+    add_schema_flags(command, schema)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(prog="lora-tune", description="Fine-tune large language models with LoRA on the GPUs you have.")
     parser.add_argument("--version", action="version", version=f"lora-tune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
     sub.required = True
 
-    train = sub.add_parser(
+    add_command(
+        sub,
         "train",
+        TrainConfig,
+        "train a LoRA adapter",
+        "Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).",
+        "YAML file with any of the options below (keys use underscores, e.g. max_seq_len)",
         formatter_class=RegistryHelp,
-        help="train a LoRA adapter",
-        description="Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).",
     )
-    train.add_argument("--config", metavar="FILE", help="YAML file with any of the options below (keys use underscores, e.g. max_seq_len)")
-    add_schema_flags(train, TrainConfig)
-
-    merge = sub.add_parser(
+    add_command(
+        sub,
         "merge",
-        help="merge an adapter into its full-precision base",
-        description="Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.",
+        MergeConfig,
+        "merge an adapter into its full-precision base",
+        "Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.",
     )
-    merge.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
-    add_schema_flags(merge, MergeConfig)
-
-    plan = sub.add_parser(
+    add_command(
+        sub,
         "plan",
-        formatter_class=RegistryHelp,
-        help="will it fit, and which setup is fastest",
-        description="Estimate memory per GPU and host from config.json alone (no weights), or --auto search the fastest setup "
+        PlanConfig,
+        "will it fit, and which setup is fastest",
+        "Estimate memory per GPU and host from config.json alone (no weights), or --auto search the fastest setup "
         "that fits. Takes every train option, so a training --config plans as it is.",
+        "YAML file (a training config works)",
+        formatter_class=RegistryHelp,
     )
-    plan.add_argument("--config", metavar="FILE", help="YAML file (a training config works)")
-    add_schema_flags(plan, PlanConfig)
-
     sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
-
     report = sub.add_parser(
         "report",
         help="plot a run's metrics",
@@ -140,37 +151,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.add_argument("run_dir", metavar="RUN_DIR", help=ReportConfig.model_fields["run_dir"].description)
     report.add_argument("--output", default=argparse.SUPPRESS, help=ReportConfig.model_fields["output"].description)
-
-    after_training = (
-        (
-            "eval",
-            EvalConfig,
-            "score a run or merged model on lm-eval tasks",
-            "Score a run (adapter through peft) or a merged model on lm-evaluation-harness tasks; --base-too puts the base "
-            "beside it. Results go to SOURCE/eval_results.json.",
-        ),
-        (
-            "export",
-            ExportConfig,
-            "export to GGUF (llama.cpp), a llama.cpp LoRA adapter, or Ollama",
-            "Write a run (merged on the fly, streaming) or a merged folder as GGUF, a llama.cpp LoRA adapter GGUF, or an "
-            "Ollama folder (GGUF + Modelfile); read back and verified before it is put in place.",
-        ),
-        (
-            "check-serving",
-            CheckServingConfig,
-            "will vLLM / llama.cpp / Ollama serve this adapter",
-            "Check an adapter against a serving engine's rules (each with its source) and print how to serve it; refused "
-            "adapters get one line with the alternative.",
-        ),
+    add_command(
+        sub,
+        "eval",
+        EvalConfig,
+        "score a run or merged model on lm-eval tasks",
+        "Score a run (adapter through peft) or a merged model on lm-evaluation-harness tasks; --base-too puts the base "
+        "beside it. Results go to SOURCE/eval_results.json.",
+        source=True,
     )
-    for name, schema, short, long in after_training:
-        command = sub.add_parser(name, help=short, description=long)
-        command.add_argument(
-            "source_arg", nargs="?", metavar="SOURCE", default=argparse.SUPPRESS, help=schema.model_fields["source"].description
-        )
-        command.add_argument("--config", metavar="FILE", help="YAML file with any of the options below")
-        add_schema_flags(command, schema)
+    add_command(
+        sub,
+        "export",
+        ExportConfig,
+        "export to GGUF (llama.cpp), a llama.cpp LoRA adapter, or Ollama",
+        "Write a run (merged on the fly, streaming) or a merged folder as GGUF, a llama.cpp LoRA adapter GGUF, or an "
+        "Ollama folder (GGUF + Modelfile); read back and verified before it is put in place.",
+        source=True,
+    )
+    add_command(
+        sub,
+        "check-serving",
+        CheckServingConfig,
+        "will vLLM / llama.cpp / Ollama serve this adapter",
+        "Check an adapter against a serving engine's rules (each with its source) and print how to serve it; refused "
+        "adapters get one line with the alternative.",
+        source=True,
+    )
     return parser
 
 

@@ -5,14 +5,16 @@ without touching another file."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from lora_tune.cli import build_parser, config_from_args
 from lora_tune.config import PlanConfig, TrainConfig
 from lora_tune.engines import registry as engines
+from lora_tune.engines import single
 from lora_tune.engines.registry import Cell, check_compatibility, supported_cells
-from lora_tune.engines.spec import BackendSpec, Placement, share
+from lora_tune.engines.spec import Placement, share
 from lora_tune.options import build_config
 
 from helpers import ROOT, fast_train_args, run_cli, single_error_line
@@ -24,18 +26,18 @@ def toy_refusal(precision: str, stage: int, offload: str) -> str | None:
     return "the toy backend keeps everything on the device; use --offload none" if offload != "none" else None
 
 
-TOY = BackendSpec(
+# The one-device backend's engine and loading, declared as another backend from outside the package.
+TOY = replace(
+    single.SPEC,
     name="toy",
-    engine="lora_tune.engines.single:SingleDeviceEngine",
     description="a test backend that splits only the optimizer states",
-    stages=(0,),
     multi_process=True,
     refusal=toy_refusal,
-    loads_layer_by_layer=lambda precision, stage: False,
     label=lambda stage: "Toy",
     flags=lambda stage: ("--backend", "toy"),
     place=lambda states, stage, offload, world: Placement(share(states, world, optimizer=True)),
     slowdown=lambda stage, offload: 0.5,  # faster than anything: --auto must pick it
+    compiles=lambda stage: False,
 )
 
 

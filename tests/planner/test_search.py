@@ -80,40 +80,9 @@ def test_auto_checkpointing_recomputes_the_fewest_layers_that_fit():
 
 
 def test_plan_shows_what_auto_checkpointing_chooses_and_train_takes_the_command(capsys):
-    code, out, err = run_cli(
-        [
-            "plan",
-            "--base",
-            "llama-8b",
-            "--precision",
-            "bf16",
-            "--max-seq-len",
-            "4096",
-            "--micro-batch-size",
-            "4",
-            "--gradient-checkpointing",
-            "auto",
-            "--gpu-memory",
-            "a100-80",
-        ],
-        capsys,
-    )
+    plan = ["plan", "--base", "llama-8b", "--precision", "bf16", "--gradient-checkpointing", "auto"]
+    code, out, err = run_cli([*plan, "--max-seq-len", "4096", "--micro-batch-size", "4", "--gpu-memory", "a100-80"], capsys)
     assert code == 0, err
     assert re.search(r"checkpointing (\d+) of 32 layers \(auto; step time ~\d+% below every layer\)", out), out
-    code, out, err = run_cli(
-        [
-            "plan",
-            "--base",
-            "llama-8b",
-            "--precision",
-            "bf16",
-            "--gradient-checkpointing",
-            "auto",
-            "--memory-budget",
-            "200",
-            "--gpu-memory",
-            "h200",
-        ],
-        capsys,
-    )
+    code, out, err = run_cli([*plan, "--memory-budget", "200", "--gpu-memory", "h200"], capsys)
     assert code == 0 and "checkpointing off" in out, err
