@@ -149,24 +149,48 @@ class _Ties:
             self.values[old] = new
 
 
+class _Level:
+    """One config of the tree being shrunk (its sub-configs excluded): its attributes, the updates so
+    far, and the attributes they cover (which later rules leave alone)."""
+
+    def __init__(self, config, role: str):
+        self.config, self.role = config, role
+        self.d = config.to_dict()
+        self.canon = _canonical_names(config)
+        self.sub_keys = set((getattr(config, "sub_configs", None) or {}).keys())
+        self.up: dict[str, Any] = {}
+        self.handled: set[str] = set()
+        self.hidden = HIDDEN if role == "text" else VISION_HIDDEN
+        name = self.name
+        self.orig_heads = next((v for k, v in self.d.items() if name(k) == "num_attention_heads" and is_int(v)), None)
+        self.orig_hidden = next((v for k, v in self.d.items() if name(k) in HIDDEN_KEYS and is_int(v)), None)
+
+    def name(self, k: str) -> str:
+        return self.canon.get(k, k)
+
+    def set(self, k: str, v) -> None:
+        self.up[k] = v
+        self.handled.add(k)
+
+
 def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict[str, int]) -> dict:
     """Updates for one config (sub-configs excluded). `role`: 'text' or 'tower' (vision/audio/...)."""
-    d = config.to_dict()
-    canon = _canonical_names(config)
+    level = _Level(config, role)
+    _shrink_depth(level, ties)
+    _shrink_widths(level, ties, vocab)
+    _derived_sizes(level)
+    shrink_ssm(level.d, level.up, level.handled, level.hidden)
+    _token_ids(level, vocab, extra_tokens)
+    _follow_ties(level, ties)
+    _per_layer_overrides(level)
+    shrink_rope(level.d, level.up, config)
+    return level.up
 
-    def name(k):
-        return canon.get(k, k)
 
-    sub_keys = set((getattr(config, "sub_configs", None) or {}).keys())
-    up: dict[str, Any] = {}
-    handled: set[str] = set()
-
-    def setv(k, v):
-        up[k] = v
-        handled.add(k)
-
-    hidden = HIDDEN if role == "text" else VISION_HIDDEN
-    # Layer count and pattern.
+def _shrink_depth(level: _Level, ties: _Ties) -> None:
+    """The layer count and pattern (lora_tune.models.tiny.layers)."""
+    d, up, handled, name, setv = level.d, level.up, level.handled, level.name, level.set
+    role = level.role
     layer_keys = [k for k in d if name(k) in LAYER_COUNT and is_int(d[k]) and d[k] > 0]
     for k in layer_keys:
         n = d[k]
@@ -181,9 +205,12 @@ def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict
                     ties.tower_depth = (n, len(keep))
         else:
             setv(k, min(d[k], 2))
-    # Widths.
-    orig_heads = next((d[k] for k in d if name(k) == "num_attention_heads" and is_int(d[k])), None)
-    orig_hidden = next((d[k] for k in d if name(k) in HIDDEN_KEYS and is_int(d[k])), None)
+
+
+def _shrink_widths(level: _Level, ties: _Ties, vocab: int) -> None:
+    """Hidden, intermediate, head, expert, window and position sizes, by their canonical names."""
+    d, handled, name, setv = level.d, level.handled, level.name, level.set
+    sub_keys, hidden, role, orig_heads, orig_hidden = level.sub_keys, level.hidden, level.role, level.orig_heads, level.orig_hidden
     for k, v in d.items():
         c = name(k)
         if k in sub_keys or k in handled or k in KEEP:
@@ -244,7 +271,12 @@ def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict
             setv(k, 2)
         elif c in ("index_head_dim",):
             setv(k, HEAD_DIM)
-    # Derived MLA sizes.
+
+
+def _derived_sizes(level: _Level) -> None:
+    """Sizes derived from others: MLA's, and linear attention's head ratio."""
+    d, up, setv = level.d, level.up, level.set
+    # MLA.
     if "qk_head_dim" in d and "qk_nope_head_dim" in up:
         setv("qk_head_dim", up["qk_nope_head_dim"] + up.get("qk_rope_head_dim", d.get("qk_rope_head_dim") or 0))
     if "head_dim" in d and "qk_rope_head_dim" in up and d.get("head_dim") == d.get("qk_rope_head_dim"):
@@ -258,8 +290,12 @@ def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict
             setv("linear_num_value_heads", k_heads * ratio)
     if is_int(d.get("linear_num_heads")):
         setv("linear_num_heads", 2)
-    shrink_ssm(d, up, handled, hidden)
-    # Token ids: the tiny tokenizer's specials, and reserved ids above its vocabulary for the rest.
+
+
+def _token_ids(level: _Level, vocab: int, extra_tokens: dict[str, int]) -> None:
+    """The tiny tokenizer's specials, and reserved ids above its vocabulary for the rest."""
+    d, handled, setv = level.d, level.handled, level.set
+    sub_keys = level.sub_keys
     for k, v in d.items():
         if k in handled or k in sub_keys:
             continue
@@ -274,7 +310,13 @@ def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict
             vals = v if isinstance(v, list) else [v]
             mapped = [extra_tokens.setdefault(f"{k}:{x}", vocab + len(extra_tokens)) for x in vals if is_int(x)]
             setv(k, mapped if isinstance(v, list) else mapped[0])
-    # Whatever equals a dimension we changed elsewhere follows it; other widths scale with hidden.
+
+
+def _follow_ties(level: _Level, ties: _Ties) -> None:
+    """Whatever equals a dimension changed elsewhere follows it; other widths scale with hidden; a
+    tower's feature-layer indices follow its new depth."""
+    d, handled, setv = level.d, level.handled, level.set
+    sub_keys, hidden, role, orig_hidden = level.sub_keys, level.hidden, level.role, level.orig_hidden
     for k, v in d.items():
         if k in handled or k in sub_keys or not is_int(v) or k in KEEP or k.endswith(("_token_id", "_token_index")):
             continue
@@ -296,6 +338,11 @@ def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict
                 setv(k, scale_index(v, old, new))
             elif isinstance(v, list) and v and all(is_int(x) and -old <= x < old for x in v):
                 setv(k, [scale_index(x, old, new) for x in v])
+
+
+def _per_layer_overrides(level: _Level) -> None:
+    """Per-layer overrides keep their ratio to the global value (head_dim 512 where the global is 256 -> 2 x 16)."""
+    d, up = level.d, level.up
     plc = up.get("per_layer_config", d.get("per_layer_config"))
     if plc:
         # Per-layer overrides keep their ratio to the global value (head_dim 512 where the global is 256 -> 2 x 16).
@@ -306,8 +353,6 @@ def _shrink_level(config, ties: _Ties, vocab: int, role: str, extra_tokens: dict
                 for a, val in overrides.items()
             }
         up["per_layer_config"] = scaled
-    shrink_rope(d, up, config)
-    return up
 
 
 TEXT_SUBS = ("text_config", "llm_config", "decoder_config", "language_config", "encoder_config")
