@@ -32,8 +32,6 @@ class Options(BaseModel):
     section: ClassVar[str] = "options"
 
 
-
-
 def flag(name: str, field=None) -> str:
     """The CLI flag of a field: its name with dashes, unless the field names its own."""
     custom = (getattr(field, "json_schema_extra", None) or {}).get("flag")
@@ -131,7 +129,3 @@ def size_text(v):
     """A size given as a number (YAML `gpu_memory: 24`, the API's gpu_memory=24) reaches parse_size,
     which refuses it with the hint, instead of failing as "not a string"."""
     return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-
-
-
-

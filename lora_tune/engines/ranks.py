@@ -68,5 +68,3 @@ def all_sum_tensor(t: torch.Tensor) -> torch.Tensor:
     out = _on_collective_device(t.to(torch.float64).clone())
     torch.distributed.all_reduce(out)
     return out.to(device=t.device, dtype=t.dtype)
-
-

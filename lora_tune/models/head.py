@@ -172,5 +172,3 @@ def shifted_hidden(peft_model, input_ids, labels, attention_mask=None, position_
     # No KV cache: with one, transformers stops reading packed sequences from position_ids.
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)
-
-

@@ -172,5 +172,3 @@ def read_config_json(path: Path) -> dict:
     if not isinstance(config, dict):
         raise UserError(f"--base: {path} is not a model config (a JSON object); restore it from the model's source")
     return config
-
-

@@ -430,5 +430,3 @@ def write(
         writer.write_tensor_data(encode(t, tensor))
         del tensor
     writer.close()
-
-
