@@ -68,10 +68,8 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
         first_failure = None
         while any(p.poll() is None for p in ranks):
             failed = [(r, p.poll()) for r, p in enumerate(ranks) if p.poll() not in (None, 0, 130, 143)]
-            # A rank that lost its peers is a consequence; the one that died is the cause.
-            failed.sort(key=lambda rc: rc[1] == LOST_PEER_EXIT)
             if failed and first_failure is None:
-                first_failure = (*failed[0], time.monotonic())
+                first_failure = (*cause(failed), time.monotonic())
             # Once a rank has failed, the job can't go on: the others get a few seconds to notice
             # (their collectives fail) and are then killed, so none is left waiting.
             if first_failure and time.monotonic() - first_failure[2] > 5:
@@ -96,6 +94,15 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
 
 
 LOST_PEER_EXIT = 75  # a rank's exit code when another rank died under it
+
+
+def cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
+    """(rank, exit code) of the failure that ended the job, among those seen at one poll. A rank
+    that lost its peers is a consequence; the one that died is the cause. A rank killed by a signal
+    comes before one that exited with a code: the survivor may die of the lost collective in a way
+    not recognised as such (DeepSpeed's CPU collectives under ZeRO-2 exited with 250), and a loaded
+    machine polls late enough to see both."""
+    return min(failed, key=lambda rc: (rc[1] == LOST_PEER_EXIT, rc[1] >= 0))
 
 
 def lost_peer(error: BaseException) -> bool:

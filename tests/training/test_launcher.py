@@ -102,3 +102,16 @@ def test_a_lost_peer_is_told_from_a_bug_only_within_a_process_group(tmp_path):
         assert launcher.lost_peer(ValueError("a bug")) is False
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "failed,expected",
+    [
+        ([(0, 250), (1, -9)], (1, -9)),  # seen at one poll: the killed rank, not the survivor's unrecognised exit
+        ([(0, launcher.LOST_PEER_EXIT), (1, 1)], (1, 1)),  # a rank that lost its peers is never the cause
+        ([(0, launcher.LOST_PEER_EXIT), (1, -9)], (1, -9)),
+        ([(0, 3), (1, 250)], (0, 3)),  # two exits with codes: the first rank's
+    ],
+)
+def test_the_cause_of_a_failed_job_is_the_rank_that_died(failed, expected):
+    assert launcher.cause(failed) == expected
