@@ -77,7 +77,15 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
     is written (e.g. `lora_tune.notebook.LivePlot()`; runs in this process only). With `nproc` (or a
     sharding backend) the ranks run as child processes, as on the command line. Raises UserError for
     bad input and `lora_tune.errors.TrainingStopped` when the run stops early (signal, repeated NaN,
-    full disk), after it saved what it could."""
+    full disk), after it saved what it could. `reward` (GRPO) takes functions as well as their
+    file.py:func names."""
+    rewards = options.get("reward")
+    rewards = [rewards] if callable(rewards) else rewards
+    functions = rewards if rewards and any(callable(f) for f in rewards) else None
+    if functions:  # recorded by name in the run's config; the callables themselves score
+        options["reward"] = [
+            f if isinstance(f, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', f)}" for f in rewards
+        ]
     cfg = _config(TrainConfig, config, options)
     _quiet(cfg)
     if (cfg.nproc or engines.spec_of(cfg).multi_process) and not ranks.launched():
@@ -92,7 +100,7 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        recipe.run(check_inputs(cfg), on_metrics=callback)
+        recipe.run(check_inputs(cfg, functions), on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
 
 

@@ -12,7 +12,7 @@ from lora_tune.data.options import DataOptions
 from lora_tune.engines.options import EngineOptions
 from lora_tune.models.options import LoraOptions, ModelOptions
 from lora_tune.options import FREE, MATH, size_text
-from lora_tune.training.objectives.options import ObjectiveOptions
+from lora_tune.training.objectives.options import GRPOOptions, ObjectiveOptions
 from lora_tune.training.options import EvalOptions, OptimOptions, OutputOptions, SpeedOptions
 
 # In the order --help shows them (and a run's lora_tune_config.yaml lists them).
@@ -23,6 +23,7 @@ SECTIONS = (
     OptimOptions,
     SpeedOptions,
     ObjectiveOptions,
+    GRPOOptions,
     EngineOptions,
     EvalOptions,
     OutputOptions,
@@ -36,6 +37,7 @@ class TrainConfig(
     OutputOptions,
     EvalOptions,
     EngineOptions,
+    GRPOOptions,
     ObjectiveOptions,
     SpeedOptions,
     OptimOptions,

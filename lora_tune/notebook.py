@@ -87,13 +87,13 @@ class LivePlot:
 
     def draw(self):
         plt = reporting.pyplot(headless=not in_notebook())
-        rewards = any(reporting.REWARDS in r for r in self.rows)  # a preference run: its rewards get a panel
+        rewards = reporting.has_rewards(self.rows)  # a preference or online RL run: its rewards get a panel
         if self.figure is None:
             self.figure, self.axes = plt.subplots(1, len(self.PANELS) + rewards, figsize=(13 + 4 * rewards, 3.2))
             plt.close(self.figure)  # shown through display(), not twice
         reporting.draw(dict(zip(self.PANELS, self.axes)), self.rows)
         if rewards:
-            for extra in self.figure.axes[len(self.axes) :]:  # the margin axis drawn with the rewards last time
+            for extra in self.figure.axes[len(self.axes) :]:  # the twin axis drawn with the rewards last time
                 extra.remove()
             reporting.draw_rewards(self.axes[-1], self.rows)
         self.figure.tight_layout()

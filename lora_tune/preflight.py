@@ -48,6 +48,8 @@ from lora_tune.training.inputs import RunInputs, SpeedLevers
 from lora_tune.training.metrics import check_reporter
 from lora_tune.training.objectives import registry as objectives
 from lora_tune.training.objectives.reference import reference_plan
+from lora_tune.training.rewards import load_rewards
+from lora_tune.training.rollout import check_reward_columns, steps_per_epoch
 from lora_tune.training.run_folder import check_not_a_model, check_output_dir, check_resume_compatible
 
 if TYPE_CHECKING:
@@ -60,6 +62,17 @@ def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
     return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * dist.world_size())))
+
+
+def check_rewards_unchanged(rewards, saved_state: dict | None) -> None:
+    """A resumed GRPO run scores with the functions it started with: another function (or another
+    version of its file) would train another objective from the checkpoint on."""
+    saved = (saved_state or {}).get("rewards_fingerprint")
+    if saved is not None and saved != rewards.fingerprint():
+        raise UserError(
+            "--resume: the --reward functions (or their files) changed since the checkpoint was written; resume with the ones it "
+            "was trained with, or start a new run (--init-adapter CHECKPOINT --output-dir NEW)"
+        )
 
 
 def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
@@ -91,10 +104,13 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     return SpeedLevers(packing, chunk, attention)
 
 
-def check_inputs(cfg: TrainConfig) -> RunInputs:
+def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunInputs:
+    """`reward_functions`: the API's callables, in place of --reward's file.py:func specs."""
     engines.check_compatibility(cfg)
     compilation.check_cell(cfg, engines.spec_of(cfg))
     objectives.check_options(cfg)
+    objective = objectives.of(cfg)
+    rewards = load_rewards(reward_functions or cfg.reward, cfg.reward_weights) if objective.online else None
     check_reporter(cfg.report_to)
     base_path = resolve_base(cfg.base)
     base_id = base_path if not Path(base_path).is_dir() else str(Path(base_path).resolve())
@@ -121,15 +137,17 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
     score_tasks = evaluation.task_scorer(cfg)
     levers = speed_levers(cfg, config, device)
     eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message) if cfg.eval_prompts else []
-    objective = objectives.of(cfg)
     data = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objective))
     for line in data.per_source if len(data.per_source) > 1 else []:
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
     saved_state = check_resume_compatible(cfg, data, resume_from, fingerprint) if resume_from else None
+    if rewards:
+        check_reward_columns(rewards, data.train)
+        check_rewards_unchanged(rewards, saved_state)
     row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
     batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)
-    if levers.packing:
+    if levers.packing and not objective.online:  # online objectives pack the completions they generate
         tokens = sum(data.train.lengths)
         log.info(
             "packing: %d samples in %d rows of up to %d tokens (%.0f%% full)",
@@ -138,7 +156,10 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
             row,
             100 * tokens / (batches.n_rows * row),
         )
-    steps = total_steps(cfg, len(batches))
+    if objective.online:
+        steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch(cfg, len(data.train))))
+    else:
+        steps = total_steps(cfg, len(batches))
     plan = memory_plan(cfg, device)
     reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
@@ -162,4 +183,5 @@ def check_inputs(cfg: TrainConfig) -> RunInputs:
         checkpointing=plan.checkpointing if plan else Checkpointing.of(cfg),
         out_of_memory_advice=plan.out_of_memory_advice if plan else (),
         score_tasks=score_tasks,
+        rewards=rewards,
     )

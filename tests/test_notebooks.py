@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -35,7 +36,7 @@ def images(nb) -> int:
 
 
 def test_notebooks_are_stored_without_outputs_and_install_in_colab():
-    assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb", "plan_70b.ipynb", "merge_and_serve.ipynb", "preference.ipynb"}
+    assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb", "plan_70b.ipynb", "merge_and_serve.ipynb", "preference.ipynb", "grpo.ipynb"}
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), path.name
@@ -83,3 +84,16 @@ def test_preference(tmp_path, monkeypatch):
     assert "held-out reward accuracy 1.00" in text and "reference for dpo: one pass over the data" in text
     assert images(nb) >= 1 and (tmp_path / "dpo_curves.png").is_file()
     assert (tmp_path / "merged" / "model.safetensors").is_file() and "merged:" in text
+
+
+def test_grpo(tmp_path, monkeypatch):
+    """GRPO with a reward function given as a Python function: the plan of a rollout, the toy reward
+    learned (from about one half to almost all even token ids), the completions file, the report."""
+    nb = execute(ROOT / "notebooks" / "grpo.ipynb", tmp_path, monkeypatch)
+    text = text_of(nb)
+    assert "def correct(" in text and "16 completions per rollout (grpo)" in text and "fits in" in text
+    first, last = map(float, re.search(r"mean reward: first 4 steps ([\d.]+), last 4 steps ([\d.]+)", text).groups())
+    assert first < 0.7 and last > 0.9, (first, last)
+    assert re.search(r"step \d+: reward [\d.]+, advantage [+-][\d.]+: ", text)
+    assert "reward: " in text and " -> " in text  # the report's summary line
+    assert images(nb) >= 1 and (tmp_path / "grpo_curves.png").is_file() and (tmp_path / "grpo" / "report.png").is_file()

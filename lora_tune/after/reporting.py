@@ -60,6 +60,11 @@ def summary(rows: list[dict]) -> str:
         ppl = f" (perplexity {number(evals[-1].get('eval_ppl')):.2f})" if "eval_ppl" in evals[-1] else ""
         last = number(evals[-1]["eval_loss"])
         lines.append(f"eval loss: last {last:.4f}{ppl}; best {number(best['eval_loss']):.4f} at step {best.get('step')}")
+    if ONLINE_REWARD in steps[-1]:  # online RL (GRPO)
+        lines.append(
+            f"reward: {number(steps[0][ONLINE_REWARD]):.3f} -> {number(steps[-1][ONLINE_REWARD]):.3f}; completions "
+            f"{number(steps[-1].get(LENGTH)):.1f} tokens on average (clipped {number(steps[-1].get('completions/clipped_ratio')):.0%})"
+        )
     if REWARDS in steps[-1]:  # a preference objective
         held_out = f" (eval {number(evals[-1]['eval_' + REWARDS]):.3f})" if evals and "eval_" + REWARDS in evals[-1] else ""
         lines.append(
@@ -84,6 +89,7 @@ def sample_of(record: dict) -> dict | None:
 
 
 REWARDS = "rewards/accuracies"  # logged by the preference objectives (TRL's name)
+ONLINE_REWARD, LENGTH = "reward", "completions/mean_length"  # logged by GRPO (TRL's names)
 PANELS = {
     "loss": ("loss", 1),
     "lr": ("learning rate", 1),
@@ -125,8 +131,27 @@ def draw(axes: dict, rows: list[dict]) -> None:
         ax.grid(alpha=0.3)
 
 
+def has_rewards(rows: list[dict]) -> bool:
+    """A preference run (reward accuracy) or an online RL run (reward): the rewards get a panel."""
+    return any(REWARDS in r or ONLINE_REWARD in r for r in rows)
+
+
 def draw_rewards(ax, rows: list[dict]) -> None:
-    """A preference run's reward accuracy (train, and eval when measured) and margin."""
+    """A preference run's reward accuracy (train, and eval when measured) and margin; an online RL
+    run's mean reward and completion length."""
+    if any(ONLINE_REWARD in r for r in rows):
+        steps = [r for r in rows if ONLINE_REWARD in r]
+        x = [number(r.get("step")) for r in steps]
+        ax.clear()
+        ax.plot(x, [number(r[ONLINE_REWARD]) for r in steps], label="reward")
+        lengths = ax.twinx()
+        lengths.plot(x, [number(r.get(LENGTH)) for r in steps], color="tab:gray", alpha=0.6)
+        lengths.set_ylabel("completion length (tokens)")
+        ax.set_title("rewards")
+        ax.set_xlabel("step")
+        ax.legend(loc="lower right")
+        ax.grid(alpha=0.3)
+        return
     steps = [r for r in rows if REWARDS in r]
     evals = [r for r in rows if "eval_" + REWARDS in r]
     ax.clear()
@@ -149,7 +174,7 @@ def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
     onto it: a failed write leaves nothing half-written, and a link at `png` is replaced, never
     written through."""
     plt = pyplot()
-    rewards = any(REWARDS in r for r in rows)
+    rewards = has_rewards(rows)
     extra = bool(eval_results) or rewards
     fig, axes = plt.subplots(2, 3 if extra else 2, figsize=(16 if extra else 11, 7), squeeze=False)
     draw(dict(zip(PANELS, [ax for row in axes for ax in row[:2]])), rows)

@@ -59,6 +59,10 @@ class Samples:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
+    def row(self, i: int) -> dict:
+        """A prompt's source row, as the reward functions get its columns (prompts data only)."""
+        return json.loads(self.ds[int(i)]["row"])
+
 
 @dataclass
 class DataStats:
@@ -136,6 +140,7 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
                 "label": datasets.Value("int8"),
                 "length": datasets.Value("int32"),
                 "status": datasets.Value("int8"),
+                **({"row": datasets.Value("string")} if formats.kind(fmt) == "prompts" else {}),
             }
         )
         where = {"keep_in_memory": True} if workdir is None else {"cache_file_name": str(workdir / "tokens.arrow")}

@@ -10,9 +10,15 @@ and each row's fate is kept in `status` for the summary.
 
 A sample may hold several sequences (a preference pair's chosen and rejected): they are stored one
 after the other, `starts` says where each begins, and each is cut, masked and checked on its own.
+
+A prompt to complete (online RL) is tokenized as the generation will continue it: no EOS, no label,
+a long one cut from the left (its end, where the answer starts, is what matters); its row travels
+along as JSON (`row`) for the reward functions.
 """
 
 from __future__ import annotations
+
+import json
 
 from lora_tune.data import formats
 from lora_tune.data.chat import ChatRenderer
@@ -49,6 +55,8 @@ class Tokenize:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
         out = {"input_ids": [], "labels": [], "starts": [], "label": [], "length": [], "status": []}
         wheres = [f"{self.where}: row {i + 1}" for i in indices]
+        if self.kind == "prompts":
+            return self._prompts(rows, wheres, out)
         if self.fmt.NAME == "pretokenized":
             samples = [[self.fmt.tokens(r, where, len(self.tok))] for r, where in zip(rows, wheres)]
         else:
@@ -61,6 +69,22 @@ class Tokenize:
                 at += len(row)
         for row, where, sequences in zip(rows, wheres, samples):
             self._finish(sequences, self.fmt.label(row, where) if self.kind == "unpaired" else None, out)
+        return out
+
+    def _prompts(self, rows: list[dict], wheres: list[str], out: dict) -> dict[str, list]:
+        out["row"] = []
+        for row, where in zip(rows, wheres):
+            text, templated = self.fmt.prompt_text(row, where, self.chat)
+            ids = self.tok(text, add_special_tokens=not templated)["input_ids"]
+            status = KEPT
+            if len(ids) > self.max_len:
+                status, ids = (DROPPED_LONG, []) if self.long == "drop" else (TRUNCATED, ids[-self.max_len :])
+            for key, value in (("input_ids", ids), ("labels", [IGNORE] * len(ids)), ("starts", [0] if ids else [])):
+                out[key].append(value)
+            out["label"].append(NO_LABEL)
+            out["length"].append(len(ids))
+            out["status"].append(status)
+            out["row"].append(json.dumps(row, default=str))
         return out
 
     def _tokenize(self, sequences: list[tuple[list[tuple[str, bool]], bool]]) -> list[tuple[list[int], list[int]]]:

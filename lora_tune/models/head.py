@@ -1,5 +1,6 @@
 """The output head over the decoder's hidden states, chunk by chunk, never the whole logits: the
-cross-entropy (SFT) and per-sequence log-probabilities (preference, RL) every objective builds on.
+cross-entropy (SFT), per-sequence log-probabilities (preference) and per-token log-probabilities
+with their entropies (online RL) every objective builds on.
 
 With Llama-3's 128k vocabulary the `[tokens x vocab]` logits are the largest activation of a LoRA
 run, and the usual route keeps them three times (compute dtype, the fp32 upcast, its gradient).
@@ -75,6 +76,58 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * (grad_output / ctx.divisor).to(grad_hidden.dtype), None, None, None, None, None, None, None
 
 
+def log_prob_chunk(h, t, weight, bias, softcap: float | None, temperature: float, keep_grad: bool, entropy: bool):
+    """One chunk of label positions: (log p(target) [chunk] in fp32, d logp / d `h` or None, the
+    entropy of the distribution [chunk] or None), the logits capped (Gemma-2 style) and then divided
+    by `temperature`, as the model's logits are when RL scores its own samples."""
+    logits = (h @ weight.t() if bias is None else h @ weight.t() + bias).float()
+    capped = None
+    if softcap:
+        capped = torch.tanh(logits / softcap)
+        logits = capped * softcap
+    if temperature != 1.0:
+        logits = logits.div_(temperature)
+    lse = torch.logsumexp(logits, dim=-1)
+    logps = logits.sub_(lse.unsqueeze(1))  # in place: the chunk's log-softmax
+    chosen = logps.gather(1, t.unsqueeze(1)).squeeze(1)
+    if not (keep_grad or entropy):
+        return chosen, None, None
+    probs = logps.exp()
+    # -sum p log p as a batched dot product: no third [chunk x vocab] buffer.
+    spread = -(probs.unsqueeze(1) @ logps.unsqueeze(2)).view(-1) if entropy else None
+    if not keep_grad:
+        return chosen, None, spread
+    grad = probs.neg_()  # d logp / d logits = onehot - softmax
+    grad.scatter_add_(1, t.unsqueeze(1), grad.new_ones((t.numel(), 1)))
+    if capped is not None:
+        grad *= 1.0 - capped * capped
+    if temperature != 1.0:
+        grad /= temperature
+    return chosen, (grad.to(weight.dtype) @ weight).to(h.dtype), spread
+
+
+def _label_log_probs(hidden, weight, bias, targets, chunk_size: int, softcap, temperature: float, keep_grad: bool, entropy: bool):
+    """Over the label positions in order, `chunk_size` at a time: (positions, log p(target) [L],
+    d logp / d hidden [L, hidden] or None, entropy [L] or None)."""
+    positions = (targets != IGNORE).nonzero().squeeze(1)  # masked positions never reach the head
+    n = positions.numel()
+    logps = hidden.new_empty((n,), dtype=torch.float32)
+    spread = hidden.new_empty((n,), dtype=torch.float32) if entropy else None
+    grads = hidden.new_empty((n, hidden.shape[1])) if keep_grad else None
+    for start in range(0, n, chunk_size):
+        idx = positions[start : start + chunk_size]
+        end = start + idx.numel()
+        chosen, grad, ent = log_prob_chunk(
+            hidden.index_select(0, idx), targets.index_select(0, idx), weight, bias, softcap, temperature, keep_grad, entropy
+        )
+        logps[start:end] = chosen
+        if keep_grad:
+            grads[start:end] = grad
+        if entropy:
+            spread[start:end] = ent
+    return positions, logps, grads, spread
+
+
 class _SequenceLogProbs(torch.autograd.Function):
     """Per sequence, the summed log-probability of its label tokens, chunk by chunk: the preference
     objectives' input. The loss is a nonlinear function of these sums, so forward keeps d logp / d
@@ -84,25 +137,9 @@ class _SequenceLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, sequence_ids, n_sequences: int, chunk_size: int, softcap: float | None):
         keep_grad = ctx.needs_input_grad[0]
-        positions = (targets != IGNORE).nonzero().squeeze(1)
+        positions, logps, grads, _ = _label_log_probs(hidden, weight, bias, targets, chunk_size, softcap, 1.0, keep_grad, False)
         owners = sequence_ids.index_select(0, positions)
-        sums = hidden.new_zeros((n_sequences,), dtype=torch.float32)
-        grads = hidden.new_empty((positions.numel(), hidden.shape[1])) if keep_grad else None
-        for start in range(0, positions.numel(), chunk_size):
-            idx = positions[start : start + chunk_size]
-            h, t = hidden.index_select(0, idx), targets.index_select(0, idx)
-            logits = (h @ weight.t() if bias is None else h @ weight.t() + bias).float()
-            if softcap:
-                capped = torch.tanh(logits / softcap)
-                logits = capped * softcap
-            lse = torch.logsumexp(logits, dim=-1)
-            sums.index_add_(0, owners[start : start + chunk_size], logits.gather(1, t.unsqueeze(1)).squeeze(1) - lse)
-            if keep_grad:
-                grad = -torch.exp(logits - lse.unsqueeze(1))  # d logp / d logits = onehot - softmax
-                grad.scatter_add_(1, t.unsqueeze(1), grad.new_ones((t.numel(), 1)))
-                if softcap:
-                    grad *= 1.0 - capped * capped
-                grads[start : start + idx.numel()] = (grad.to(weight.dtype) @ weight).to(hidden.dtype)
+        sums = logps.new_zeros((n_sequences,)).index_add_(0, owners, logps)
         if keep_grad:
             ctx.save_for_backward(grads, positions, owners)
             ctx.hidden_shape = hidden.shape
@@ -116,10 +153,42 @@ class _SequenceLogProbs(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None, None, None
 
 
+class _TokenLogProbs(torch.autograd.Function):
+    """Per label position, its log-probability and (no gradient) the entropy there: online RL's input,
+    whose loss is a nonlinear function of each token's log-probability. Forward keeps d logp / d
+    hidden of each label position, backward scales each row by its own upstream gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_size: int, softcap: float | None, temperature: float):
+        keep_grad = ctx.needs_input_grad[0]
+        positions, logps, grads, spread = _label_log_probs(hidden, weight, bias, targets, chunk_size, softcap, temperature, keep_grad, True)
+        ctx.mark_non_differentiable(spread)
+        if keep_grad:
+            ctx.save_for_backward(grads, positions)
+            ctx.hidden_shape = hidden.shape
+        return logps, spread
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        grads, positions = ctx.saved_tensors
+        grad_hidden = grads.new_zeros(ctx.hidden_shape)
+        grad_hidden.index_copy_(0, positions, grads * grad_logps.unsqueeze(1).to(grads.dtype))
+        return grad_hidden, None, None, None, None, None, None
+
+
 def sequence_log_probs(hidden, weight, targets, sequence_ids, n_sequences: int, chunk_size: int, softcap=None, bias=None) -> torch.Tensor:
     """[n_sequences] summed log p(target) of each sequence's label positions (`sequence_ids` says
     whose each position is), computed `chunk_size` positions at a time; differentiable."""
     return _SequenceLogProbs.apply(hidden, weight, bias, targets, sequence_ids, n_sequences, chunk_size, softcap)
+
+
+def token_log_probs(
+    hidden, weight, targets, chunk_size: int, softcap=None, bias=None, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([L] log softmax(logits / temperature)[target], [L] entropy of that softmax) of each label
+    position (targets != IGNORE) in position order, fp32, `chunk_size` positions at a time; the
+    log-probabilities are differentiable with respect to `hidden`, the entropy carries no gradient."""
+    return _TokenLogProbs.apply(hidden, weight, bias, targets, chunk_size, softcap, float(temperature))
 
 
 # Fewest label tokens per automatic chunk. Below this the head's matmul has too few rows to run at

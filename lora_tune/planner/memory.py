@@ -26,6 +26,12 @@
 * Packing fills every row up to --max-seq-len, so a micro-batch holds micro_batch_size x max_seq_len
   tokens: the same worst case the plan assumes without it (full-length samples).
 * Activation offload moves the checkpointed layer inputs (e h per token per layer) to host memory.
+* Online RL (GRPO): a micro-batch trains prompt + completion (max_seq_len + max_new_tokens tokens per
+  sequence); before it, the policy generates a step's completions at once with a KV cache of
+  2 e kv per token per layer for prompt + max_new_tokens tokens, and each decoding step holds the
+  [sequences x vocab] scores (compute dtype, and three fp32 copies while sampling). Generation and
+  training never hold their working sets at the same time: the plan counts the larger, and shows
+  generation's excess over training's activations as `generation`.
 * Loading: bases under ZeRO-3 and FSDP2 are partitioned while they load (zero.Init, or layer by
   layer), so loading never holds more than a shard plus a layer; otherwise each process streams the
   checkpoint shard by shard.
@@ -70,6 +76,8 @@ class Setup:
     objective: str = "sft"
     sequences_per_unit: int = 1  # preference objectives score two sequences (chosen, rejected) per unit
     reference: bool = False  # the objective scores the reference policy too (one no-grad forward per unit)
+    new_tokens: int = 0  # online RL: tokens generated per completion (--max-new-tokens), trained after the prompt
+    rollout_sequences: int = 0  # online RL: completions generated at once (a step's: micro-batch x grad-accum)
 
     @property
     def world(self) -> int:
@@ -80,7 +88,7 @@ class Setup:
         """Per micro-batch: packing fills rows to max_seq_len (per sequence of a unit), the worst case
         without it. A pair's reference forward (per step, no gradient) runs one layer at a time and
         peaks below training's backward, so it adds time, not memory."""
-        return self.micro_batch_size * self.max_seq_len * self.sequences_per_unit
+        return self.micro_batch_size * (self.max_seq_len + self.new_tokens) * self.sequences_per_unit
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,8 @@ def setup_from(cfg) -> Setup:
         objective=objective.name,
         sequences_per_unit=objective.sequences_per_unit,
         reference=objective.reference,
+        new_tokens=cfg.max_new_tokens if objective.online else 0,
+        rollout_sequences=cfg.micro_batch_size * cfg.grad_accum if objective.online else 0,
     )
 
 
@@ -248,6 +258,17 @@ def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
     return tokens * (4 * arch.vocab + 8), tokens * (8 + e) * arch.vocab
 
 
+def generation_bytes(arch: Architecture, setup: Setup) -> int:
+    """Online RL's rollout, no gradient: the KV cache of every completion at full length, and one
+    decoding step's scores (compute dtype from the head, then fp32 while sampling: the tempered
+    scores, their softmax, and probabilities over the noise)."""
+    if not setup.rollout_sequences:
+        return 0
+    e = ELEMENT[setup.precision]
+    cache = setup.rollout_sequences * (setup.max_seq_len + setup.new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * e
+    return cache + setup.rollout_sequences * arch.vocab * (e + 3 * 4)
+
+
 # --- the estimate ------------------------------------------------------------------------------
 def estimate(arch: Architecture, setup: Setup) -> Estimate:
     spec = engines.BACKENDS[setup.backend]
@@ -279,6 +300,8 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
         "optimizer_bytes": device.optimizer,
         "activations_bytes": peak_act,
         "logits_bytes": peak_logits,
+        # Generation's working set where it exceeds training's (they never coexist).
+        **({"generation_bytes": max(0, generation_bytes(arch, setup) - peak_act - peak_logits)} if setup.rollout_sequences else {}),
         "overhead_bytes": overhead,
     }
     per_device["total_bytes"] = sum(per_device.values())

@@ -39,6 +39,8 @@ def checkpointing_text(setup: Setup, layers: int) -> str:
 def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, layers: int = 1) -> str:
     backend = engines.BACKENDS[setup.backend].label(setup.zero)
     unit = "" if setup.sequences_per_unit == 1 else f" x {setup.sequences_per_unit} sequences ({setup.objective})"
+    if setup.rollout_sequences:
+        unit = f" (prompt) + {setup.new_tokens} generated, {setup.rollout_sequences} completions per rollout ({setup.objective})"
     rows = [
         f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}, "
         f"{checkpointing_text(setup, layers)}, {setup.optim}, {backend}, offload {setup.offload}, "

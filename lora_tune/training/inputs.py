@@ -16,6 +16,7 @@ from lora_tune.models.adapter import Checkpointing
 from lora_tune.models.targets import Targets
 from lora_tune.training.objectives.reference import ReferencePlan
 from lora_tune.training.objectives.registry import Objective
+from lora_tune.training.rewards import Rewards
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -57,3 +58,5 @@ class RunInputs:
     out_of_memory_advice: tuple[str, ...] = ()
     # --eval-tasks: scores (peft model, tokenizer) on lm-eval tasks -> metrics record (lora_tune.after.evaluation).
     score_tasks: Callable[[object, object], dict[str, float]] | None = None
+    # --objective grpo: the reward functions, loaded and checked (lora_tune.training.rewards).
+    rewards: Rewards | None = None

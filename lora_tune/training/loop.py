@@ -24,6 +24,8 @@ from lora_tune.training.compilation import CompileStats
 from lora_tune.training.inputs import RunInputs
 from lora_tune.training.metrics import MetricsLog, Progress, peak_memory_bytes
 from lora_tune.training.objectives import reference
+from lora_tune.training.rewards import RewardError
+from lora_tune.training.rollout import Rollout
 from lora_tune.training.run_folder import math_config
 
 log = logging.getLogger("lora_tune")
@@ -46,11 +48,17 @@ class TrainingLoop:
         self.stepped = False  # this process has done a step (memory is reported after the first)
         # --compile: the layers compile lazily, in the first forward; counted from here.
         self.compile_stats = CompileStats() if inputs.cfg.compile else None
+        # Online objectives train on what the policy generates (lora_tune.training.rollout).
+        self.rollout = Rollout(inputs, model, inputs.rewards) if inputs.objective.online else None
+        if self.rollout and inputs.resume_from:
+            self.rollout.load(inputs.resume_from)
 
     # --- batches ---------------------------------------------------------------------------------
     def step_batches(self, step: int) -> list:
         """This rank's micro-batches of optimizer step `step`: the global micro-batch sequence is
         dealt out round-robin, so N ranks together see what one process would, in order."""
+        if self.rollout:
+            return self.rollout.step_batches(step)
         world, rank = dist.world_size(), dist.rank()
         first = step * self.cfg.grad_accum
         train = self.inputs.data.train
@@ -155,7 +163,12 @@ class TrainingLoop:
     def _one_step(self) -> None:
         cfg, state = self.cfg, self.state
         t0 = time.perf_counter()
-        batches = self.step_batches(state.step)
+        try:
+            batches = self.step_batches(state.step)
+        except RewardError as e:  # the user's reward function failed: said in one line, the last checkpoint kept
+            good = ckpt.newest_complete(self.inputs.output_dir)
+            kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
+            raise TrainingStopped(f"{e} at step {state.step + 1}; {kept}. Fix the function and rerun (with --resume)", 1, "error") from None
         # The step's loss is the sum over every label token of every rank, divided by their count.
         # Each rank divides by count / world size, because the backends average gradients over
         # ranks: N ranks then compute exactly what one process would.
@@ -196,6 +209,8 @@ class TrainingLoop:
                     **objective_metrics,
                 }
             )
+            if self.rollout:
+                self.rollout.write_samples(state.step)
         if self._has_eval() and cfg.eval_steps and state.step % cfg.eval_steps == 0:
             self.evaluate()
         if state.bad_steps_in_a_row >= cfg.max_bad_steps:
@@ -327,6 +342,8 @@ class TrainingLoop:
 
     def _write_main_part(self, folder: Path, adapter: dict) -> None:
         save_adapter(self.model.peft_model, folder, adapter)
+        if self.rollout:
+            self.rollout.save(folder)
         write_json(
             folder / "trainer_state.json",
             {
@@ -336,6 +353,7 @@ class TrainingLoop:
                 "data_fingerprint": self.inputs.data.fingerprint,
                 "base_fingerprint": self.inputs.base_fingerprint,
                 "math_config": math_config(self.cfg),
+                **({"rewards_fingerprint": self.inputs.rewards.fingerprint()} if self.inputs.rewards else {}),
             },
         )
 

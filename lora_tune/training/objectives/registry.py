@@ -1,13 +1,17 @@
-"""What a run trains: next tokens (SFT) or preferences. Each objective says what data it takes, how
-its batches are built (samples, or units of sequences scored whole), whether it needs the reference
-policy, and which loss module the engines train; the recipe and the loop read these, never the
-objective's name."""
+"""What a run trains: next tokens (SFT), preferences, or rewards (GRPO, online). Each objective says
+what data it takes, how its batches are built (samples, units of sequences scored whole, or
+completions generated from the data's prompts), whether it needs the reference policy, and which
+loss module the engines train; the recipe and the loop read these, never the objective's name."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
+from lora_tune.training.objectives.grpo import GRPOLoss
+from lora_tune.training.objectives.options import GRPOOptions
 from lora_tune.training.objectives.preference import WITH_REFERENCE, PreferenceLoss
 from lora_tune.training.objectives.sft import CausalLMLoss
 
@@ -18,11 +22,14 @@ class Objective:
     data: str  # the kind of data it trains on (lora_tune.data.formats.kind): sft | pairs | unpaired
     units: bool  # batches of units whose sequences are scored whole (lora_tune.data.batching.collate)
     sequences_per_unit: int  # a packed row holds this many sequences of up to --max-seq-len per unit
-    reference: bool  # compares against the model at the start of training
+    reference: bool  # compares against the model at the start of training (precomputed or per step)
+    online: bool = False  # trains on completions the policy generates for the data's prompts (lora_tune.training.rollout)
 
     def loss_module(self, peft_model, chunk_size: int | None, cfg):
         if self.name == "sft":
             return CausalLMLoss(peft_model, chunk_size)
+        if self.online:
+            return GRPOLoss(peft_model, chunk_size, cfg)
         return PreferenceLoss(peft_model, chunk_size, self.name, cfg)
 
 
@@ -30,11 +37,14 @@ OBJECTIVES = {
     "sft": Objective("sft", "sft", units=False, sequences_per_unit=1, reference=False),
     **{name: Objective(name, "pairs", True, 2, name in WITH_REFERENCE) for name in ("dpo", "ipo", "orpo", "simpo")},
     "kto": Objective("kto", "unpaired", units=True, sequences_per_unit=2, reference=True),
+    # The reference of GRPO's KL term is scored per rollout, inside it (lora_tune.training.rollout).
+    "grpo": Objective("grpo", "prompts", units=False, sequences_per_unit=1, reference=False, online=True),
 }
 DATA_FOR = {
     "sft": "text, alpaca, chat (messages / conversations), prompt + completion or pretokenized rows",
     "pairs": "preference pairs: prompt + chosen + rejected",
     "unpaired": "rows marked desirable or not: prompt + completion + label",
+    "prompts": "prompts to complete: prompt (text or messages), other columns passed to the reward functions",
 }
 
 
@@ -44,12 +54,13 @@ def of(cfg) -> Objective:
 
 # The options each objective reads; given to another one they would change nothing, so they are refused.
 OPTIONS = {
-    "beta": ("dpo", "ipo", "simpo", "kto"),
+    "beta": ("dpo", "ipo", "simpo", "kto", "grpo"),
     "orpo_lambda": ("orpo",),
     "simpo_gamma": ("simpo",),
     "kto_desirable_weight": ("kto",),
     "kto_undesirable_weight": ("kto",),
     "reference": tuple(name for name, o in OBJECTIVES.items() if o.reference),
+    **{name: ("grpo",) for name in GRPOOptions.model_fields},
 }
 
 
@@ -65,6 +76,36 @@ def check_options(cfg) -> None:
     if cfg.train_on_prompt and cfg.objective != "sft":
         raise UserError(
             f"--train-on-prompt trains next tokens (--objective sft); --objective {cfg.objective} scores only the answers: leave it out"
+        )
+    if of(cfg).online:
+        check_online(cfg)
+
+
+def check_online(cfg) -> None:
+    """GRPO's own rules, before anything loads: rewards to score with, whole groups per step."""
+    if not cfg.reward:
+        raise UserError("--objective grpo needs at least one --reward: a function f(prompts, completions, **kwargs) as file.py:func")
+    if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward):
+        raise UserError(
+            f"--reward-weights: {len(cfg.reward_weights)} weights for {len(cfg.reward)} --reward functions; give one weight per function"
+        )
+    if cfg.eval_data or cfg.eval_split:
+        raise UserError(
+            "--objective grpo trains on prompts, which have no loss to evaluate: leave out --eval-data / --eval-split and watch the "
+            "rewards, or sample with --eval-prompts"
+        )
+    world = cfg.nproc or 1
+    if world > 1 or engines.spec_of(cfg).multi_process:  # rollouts are built for one process so far: said, not attempted
+        raise UserError(
+            "--objective grpo runs on one process and one device for now (rollouts are not yet split over ranks or generated from "
+            "sharded weights): leave out --nproc, --zero and --backend"
+        )
+    completions = cfg.micro_batch_size * cfg.grad_accum * world
+    if completions % cfg.num_generations:
+        raise UserError(
+            f"--objective grpo: a step trains --micro-batch-size x --grad-accum = {completions} completions, not a multiple of "
+            f"--num-generations {cfg.num_generations}, so a group would be split across steps; make it a multiple (e.g. "
+            f"--grad-accum {cfg.num_generations // math.gcd(cfg.num_generations, cfg.micro_batch_size)})"
         )
 
 

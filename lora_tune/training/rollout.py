@@ -1,0 +1,307 @@
+"""Online RL's batches (GRPO): the policy completes the data's prompts, the reward functions score
+the completions, and the scored completions become the micro-batches the loss trains on.
+
+One generation batch serves `--num-iterations` optimizer steps: it holds the prompts of one step
+(micro-batch x grad-accum completions, `--num-generations` per prompt), taken from a seeded
+shuffle of the prompts per epoch. The policy is the base with its adapter (never merged); it
+generates with a KV cache over left-padded prompts, and a completion ends at its first EOS
+(everything after it is masked); one that reaches `--max-new-tokens` without EOS is clipped.
+
+Sampling is reproducible by construction: each completion draws its tokens from a generator
+seeded by (seed, generation batch, prompt, completion), through the exponential race (argmax of
+p / E with E ~ Exp(1) picks token i with probability p_i), so a completion does not depend on
+which other completions share its batch, and a resumed run generates the same completions.
+
+Advantages are TRL's (lora_tune.training.rewards.advantages). A group whose rewards all tie has
+advantage 0 for every completion: with no KL term (beta 0) its loss and gradient are exactly 0, so
+its completions are not run through the model at all (the step's normalisers still count them, so
+the loss equals TRL's); bnpo, whose normaliser is each micro-batch's own tokens, keeps them.
+
+The micro-batches pack each one's completions into one row (positions restart per completion, no
+attention mask: the same logits as padded rows, tested), or pad one completion per row without
+packing. Old log-probabilities (`--num-iterations` > 1) and the reference's (beta > 0: the adapter
+disabled, no second copy of the base) are scored once per generation batch in no-grad passes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from lora_tune.data.batching import MicroBatch, permutation
+from lora_tune.engines import common
+from lora_tune.errors import UserError
+from lora_tune.files import write_safetensors
+from lora_tune.models.head import IGNORE
+from lora_tune.training.rewards import advantages
+
+ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's generation batch, when steps of it remain
+SAMPLES_FILE = "completions.jsonl"
+SAMPLES_LOGGED = 4  # prompt / completion / reward samples written per logging step
+
+
+def steps_per_epoch(cfg, n_prompts: int) -> int:
+    """Optimizer steps of one pass over the prompts: a generation batch per step's prompts, each
+    trained `--num-iterations` times."""
+    prompts_per_step = cfg.micro_batch_size * cfg.grad_accum // cfg.num_generations
+    return math.ceil(n_prompts / prompts_per_step) * cfg.num_iterations
+
+
+def check_reward_columns(rewards, prompts) -> None:
+    """Every column a reward function asks for by name (`answer`) is in the data, before loading."""
+    present = set(prompts.row(0)) - {"prompt"} if len(prompts) else set()
+    for name, wanted in rewards.columns().items():
+        missing = [c for c in wanted if c not in present]
+        if missing:
+            raise UserError(
+                f"--reward {name} takes the data column {missing[0]!r}, which --data lacks (its columns: {', '.join(sorted(present))}); "
+                "add it, rename a column with --data-columns, or give the parameter a default"
+            )
+
+
+class SeededSampling(LogitsProcessor):
+    """Temperature, top-k and top-p as transformers' sampling applies them, then the token drawn
+    from each row's own generator; the chosen token is left as the only finite score, so greedy
+    decoding takes it."""
+
+    def __init__(self, generators: list[torch.Generator], temperature: float, top_k: int, top_p: float):
+        self.generators, self.temperature, self.top_k, self.top_p = generators, temperature, top_k, top_p
+
+    def __call__(self, input_ids, scores):
+        scores = scores.float() / self.temperature
+        if self.top_k and self.top_k < scores.shape[-1]:
+            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, -math.inf)
+        if self.top_p < 1.0:  # smallest set of likeliest tokens whose mass reaches top_p (transformers' TopPLogitsWarper)
+            ordered, order = torch.sort(scores, descending=False)
+            mass = ordered.softmax(dim=-1).cumsum(dim=-1)
+            drop = mass <= 1 - self.top_p
+            drop[..., -1:] = False
+            scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
+        probs = scores.softmax(dim=-1)
+        # E = -log U ~ Exp(1), from each row's uniform draws (6x faster than exponential_ on a CPU).
+        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
+        noise = uniform.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_().to(probs.device)
+        chosen = (probs / noise).argmax(dim=-1, keepdim=True)
+        return torch.full_like(scores, -math.inf).scatter_(1, chosen, 0.0)
+
+
+@dataclass
+class Completion:
+    prompt_index: int
+    prompt_ids: list[int]
+    ids: list[int]  # up to and including its first EOS
+    clipped: bool  # reached --max-new-tokens without EOS
+
+
+class Rollout:
+    """The generation batches of a run, and the micro-batches built from them."""
+
+    def __init__(self, inputs, model, rewards):
+        self.inputs, self.cfg, self.model, self.rewards = inputs, inputs.cfg, model, rewards
+        self.prompts = inputs.data.train
+        self.per_generation = self.cfg.micro_batch_size * self.cfg.grad_accum // self.cfg.num_generations
+        tok = inputs.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        extra = getattr(model.get_base_model().generation_config, "eos_token_id", None)
+        self.eos_ids = {tok.eos_token_id, *(extra if isinstance(extra, list) else [extra] if extra is not None else [])} - {None}
+        self.current: tuple[int, list[MicroBatch]] | None = None  # (generation batch, its micro-batches)
+        self.samples: list[dict] = []  # what the next logging step writes to completions.jsonl
+
+    # --- the micro-batches of a step -------------------------------------------------------------------
+    def step_batches(self, step: int) -> list[MicroBatch]:
+        index = step // self.cfg.num_iterations
+        if self.current is None or self.current[0] != index:
+            self.current = (index, self._generation_batch(index, step))
+        return self.current[1]
+
+    def _prompt_indices(self, index: int) -> list[int]:
+        n = len(self.prompts)
+        picks = []
+        for k in range(index * self.per_generation, (index + 1) * self.per_generation):
+            epoch, position = divmod(k, n)
+            picks.append(permutation(n, self.cfg.seed, epoch)[position])
+        return picks
+
+    def _generation_batch(self, index: int, step: int) -> list[MicroBatch]:
+        cfg = self.cfg
+        prompts = self._prompt_indices(index)
+        completions = self._generate(index, prompts)
+        rows = [self.prompts.row(c.prompt_index) for c in completions]
+        tok = self.inputs.tokenizer
+        texts = tok.batch_decode([c.ids for c in completions], skip_special_tokens=True)
+        # TRL's shapes: a chat prompt's completion is a list of one assistant message.
+        answers = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for r, t in zip(rows, texts)]
+        columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
+        per_func = self.rewards.score([r["prompt"] for r in rows], answers, [c.ids for c in completions], columns, step)
+        adv, total, stats = advantages(per_func, self.rewards.weights, cfg.num_generations, cfg.scale_rewards, self.rewards.names)
+        # Groups with no signal (rewards that tie) train nothing: their advantage is 0 exactly, where
+        # TRL's float32 mean can leave a residue of ~1e-5 (tests/training/test_rewards.py).
+        adv[stats["zero_std_groups"].repeat_interleave(cfg.num_generations)] = 0.0
+        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float32)
+        clipped = torch.tensor([c.clipped for c in completions], dtype=torch.float32)
+        for name, value in {
+            **{k: v for k, v in stats.items() if k != "zero_std_groups"},
+            "completions/mean_length": lengths.mean(),
+            "completions/min_length": lengths.min(),
+            "completions/max_length": lengths.max(),
+            "completions/clipped_ratio": clipped.mean(),
+        }.items():
+            self.model.note(name, torch.as_tensor(value, dtype=torch.float32).reshape(1))
+        self.samples = [
+            {"generation": index, "prompt": r["prompt"], "completion": t, "reward": x if math.isfinite(x) else None, "advantage": a}
+            for r, t, x, a in list(zip(rows, texts, total.tolist(), adv.tolist()))[:SAMPLES_LOGGED]
+        ]
+        return self._micro_batches(completions, adv)
+
+    # --- generation --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate(self, index: int, prompts: list[int]) -> list[Completion]:
+        cfg, G = self.cfg, self.cfg.num_generations
+        ids = [list(self.prompts[i].input_ids) for i in prompts]
+        width = max(map(len, ids))
+        batch = torch.full((len(ids) * G, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(batch)
+        generators = []
+        for p, (i, prompt) in enumerate(zip(prompts, ids)):
+            for j in range(G):
+                row = p * G + j
+                batch[row, width - len(prompt) :] = torch.tensor(prompt)  # left padding: every prompt ends where generation starts
+                mask[row, width - len(prompt) :] = 1
+                seed = hash((cfg.seed, index, p, i, j)) % (2**63)
+                generators.append(torch.Generator().manual_seed(seed))
+        peft_model = self.model.peft_model
+        peft_model.eval()
+        device = self.inputs.device
+        settings = GenerationConfig(
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=False,
+            use_cache=True,
+            eos_token_id=sorted(self.eos_ids),
+            pad_token_id=self.pad_id,
+        )
+        sampling = LogitsProcessorList([SeededSampling(generators, cfg.temperature, cfg.top_k, cfg.top_p)])
+        try:
+            # Decoding token by token changes the KV cache at every step: compiled layers would recompile; generation runs eagerly.
+            with torch.compiler.set_stance("force_eager"), common.autocast(cfg.precision, device):
+                out = peft_model.generate(
+                    input_ids=batch.to(device), attention_mask=mask.to(device), generation_config=settings, logits_processor=sampling
+                )
+        finally:
+            peft_model.train()
+        completions = []
+        for row, new in enumerate(out[:, width:].tolist()):
+            end = next((k for k, t in enumerate(new) if t in self.eos_ids), None)
+            kept = new if end is None else new[: end + 1]
+            completions.append(Completion(prompts[row // G], ids[row // G], kept, end is None))
+        return completions
+
+    # --- micro-batches -----------------------------------------------------------------------------
+    def _micro_batches(self, completions: list[Completion], adv: torch.Tensor) -> list[MicroBatch]:
+        cfg = self.cfg
+        trained = [not (cfg.mask_truncated and c.clipped) for c in completions]
+        tokens = sum(len(c.ids) for c, t in zip(completions, trained) if t)
+        # Completions with nothing to learn: masked, or advantage 0 with no KL term (exactly zero loss and gradient).
+        skip = [not t or (cfg.beta == 0 and cfg.loss_type != "bnpo" and a == 0) for t, a in zip(trained, adv.tolist())]
+        kept = [k for k in range(len(completions)) if not skip[k]]
+        mbs = cfg.micro_batch_size
+        if cfg.loss_type == "bnpo" or not kept:  # bnpo averages over each micro-batch as built: every completion stays
+            kept = list(range(len(completions)))
+        groups = [kept[j : j + mbs] for j in range(0, len(kept), mbs)]
+        batches = [self._collate([completions[k] for k in g], adv[g], [trained[k] for k in g]) for g in groups]
+        # The step's normalisers count every completion (and every trained token), run or skipped.
+        batches[0].counts["sequences"] += len(completions) - len(kept)
+        batches[0].counts["tokens"] += tokens - sum(b.counts["tokens"] for b in batches)
+        self._score_fixed_log_probs(batches)
+        return batches
+
+    def _collate(self, completions: list[Completion], adv: torch.Tensor, trained: list[bool]) -> MicroBatch:
+        """Prompt + completion per sequence, packed into one row (or one per row, padded); labels on
+        the completion tokens of trained completions only."""
+        sequences = []
+        for c, t in zip(completions, trained):
+            ids = c.prompt_ids + c.ids
+            sequences.append((ids, [IGNORE] * len(c.prompt_ids) + (c.ids if t else [IGNORE] * len(c.ids))))
+        rows = [sequences] if self.inputs.levers.packing else [[s] for s in sequences]
+        width = max(sum(len(ids) for ids, _ in row) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+        positions = torch.zeros((len(rows), width), dtype=torch.long)
+        owners = torch.full((len(rows), width), -1, dtype=torch.long)
+        n = 0
+        for r, row in enumerate(rows):
+            at = 0
+            for ids, labs in row:
+                input_ids[r, at : at + len(ids)] = torch.tensor(ids)
+                labels[r, at : at + len(ids)] = torch.tensor(labs)
+                positions[r, at : at + len(ids)] = torch.arange(len(ids))
+                owners[r, at : at + len(ids)] = n
+                n, at = n + 1, at + len(ids)
+            positions[r, at:] = torch.arange(width - at)
+        inputs = {"input_ids": input_ids, "labels": labels, "sequence_ids": owners, "advantages": adv.float()}
+        if self.inputs.levers.packing:
+            inputs["position_ids"] = positions
+        else:
+            inputs["attention_mask"] = (owners >= 0).long()
+        label_tokens = int((labels != IGNORE).sum())
+        real = int((owners >= 0).sum())
+        return MicroBatch(inputs, real, label_tokens, {"sequences": len(completions), "tokens": label_tokens}, "sequences")
+
+    def _score_fixed_log_probs(self, batches: list[MicroBatch]) -> None:
+        """The reference's per-token log-probabilities (beta > 0) and the policy's as it generated
+        (--num-iterations > 1: the old policy of the later iterations), once per generation batch."""
+        wanted = [("ref_logps", True)] if self.cfg.beta else []
+        wanted += [("old_logps", False)] if self.cfg.num_iterations > 1 else []
+        totals = {"tokens": float(sum(b.counts["tokens"] for b in batches))}
+        for batch in batches:
+            batch.set_step_totals(totals)
+        for key, reference in wanted:
+            self.model.recorded, self.model.record_reference = [], reference
+            try:
+                common.evaluate(self.model, batches, self.cfg.precision, self.inputs.device)
+                scored = self.model.recorded
+            finally:
+                self.model.recorded, self.model.record_reference = None, False
+            for batch, logps in zip(batches, scored):
+                batch.inputs[key] = logps
+
+    # --- logging and checkpoints -------------------------------------------------------------------
+    def write_samples(self, step: int) -> None:
+        """A few of the newest generation's prompts, completions and rewards (rank 0, logging steps)."""
+        if not self.samples:
+            return
+        with open(self.inputs.output_dir / SAMPLES_FILE, "a", encoding="utf-8") as f:
+            for sample in self.samples:
+                f.write(json.dumps({"step": step, **sample}, default=str) + "\n")
+        self.samples = []
+
+    def save(self, folder) -> None:
+        """The current generation batch, when a resume from this checkpoint still trains on it
+        (--num-iterations > 1): the policy that generated it is gone by then."""
+        if self.current is None or self.cfg.num_iterations == 1:
+            return
+        index, batches = self.current
+        tensors = {
+            f"{k}.{name}": t.contiguous() for k, b in enumerate(batches) for name, t in b.inputs.items() if not name.endswith("_in_step")
+        }
+        meta = [{"tokens": b.tokens, "label_tokens": b.label_tokens, "counts": b.counts} for b in batches]
+        write_safetensors(folder / ROLLOUT_FILE, tensors, {"generation": str(index), "batches": json.dumps(meta)})
+
+    def load(self, folder) -> None:
+        path = folder / ROLLOUT_FILE
+        if not path.is_file():
+            return
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        tensors = load_file(str(path))
+        batches = []
+        for k, m in enumerate(json.loads(meta["batches"])):
+            inputs = {name.split(".", 1)[1]: t for name, t in tensors.items() if name.split(".", 1)[0] == str(k)}
+            batches.append(MicroBatch(inputs, m["tokens"], m["label_tokens"], m["counts"], "sequences"))
+        self.current = (int(meta["generation"]), batches)
