@@ -2,7 +2,10 @@
 policy generates with transformers), same model, prompts, reward, LoRA, group size, completion
 length, batch and steps.
 
-Model: Llama-shaped, random fp32 weights, 32,000-row vocabulary (train_vs_peers.py's `cpu` shape).
+Model: Llama-shaped, random fp32 weights, 32,000-row vocabulary (train_vs_peers.py's `cpu` shape),
+its matrices scaled 15x (std 0.3 instead of 0.02): at the usual scale the frozen head of a random
+model spans logits too narrow (about +-1.3) for any adapter to move what it samples, so no route
+could learn a reward.
 Prompts, generated: 32 short instructions. Reward: the share of even token ids in the completion (a
 dense toy signal a random model can learn in a few steps; TRL passes `completion_ids` as lora-tune
 does). LoRA r16 / alpha 32 / dropout 0 on every linear layer of the blocks; non-reentrant gradient
@@ -90,6 +93,23 @@ print("RESULT", json.dumps({"peak": peak(), "rewards": [r["reward"] for r in ste
 ROUTES = {"lora-tune train --objective grpo": LORA_TUNE_GRPO, "TRL GRPOTrainer (transformers generation)": TRL_GRPO}
 
 
+def widened(base: Path, folder: Path) -> Path:
+    """The model with its matrices scaled 15x (norm weights kept), saved once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (folder / "config.json").exists():
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(15.0)
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return folder
+
+
 def prompts(n: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": "Write about " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12))) + ":"} for _ in range(n)]
@@ -101,7 +121,7 @@ def mean(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model, 4 steps of 16-token completions (for the test suite)")
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
@@ -113,6 +133,7 @@ def main() -> None:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     base = build_model(work / f"model-{shape}", shape, [r["prompt"] for r in rows] + [" ".join(WORDS)])
+    base = widened(base, work / f"model-{shape}-wide")
     cfg = {
         "num_generations": 8,
         "micro_batch_size": 8,

@@ -51,6 +51,19 @@ def test_dpo_vs_trl_runs_every_route_on_a_tiny_shape(tmp_path):
     assert len(ratios) == 2 and all("pairs/s " in line and "peak RSS " in line for line in ratios)
 
 
+def test_grpo_vs_trl_runs_both_routes_on_a_tiny_shape(tmp_path):
+    proc = run_tiny("grpo_vs_trl.py", tmp_path)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [
+        "lora-tune train --objective grpo",
+        "TRL GRPOTrainer (transformers generation)",
+    ]
+    for row in rows:
+        wall, rewards = float(row.split(" | ")[1]), [float(v) for v in row.split(" | ")[4:6]]
+        assert wall > 0 and all(0 <= r <= 1 for r in rewards)
+    assert any(line.startswith("lora-tune vs TRL GRPOTrainer") and "peak RSS" in line for line in proc.stdout.splitlines())
+
+
 def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):
     proc = run_tiny("checkpointing_budget.py", tmp_path)
     assert "gradient checkpointing (auto): 2 of 4 decoder layers recomputed" in proc.stdout
