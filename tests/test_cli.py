@@ -270,7 +270,7 @@ BAD_INPUT = {
     ),
     "unknown objective": (
         lambda c: c.train(c.pairs, objective="ppo"),
-        "--objective: got 'ppo'; input should be 'sft', 'dpo', 'ipo', 'orpo', 'simpo' or 'kto'",
+        "--objective: got 'ppo'; input should be 'sft', 'dpo', 'ipo', 'orpo', 'simpo', 'kto' or 'grpo'",
     ),
     "an option of another objective": (
         lambda c: c.train(c.pairs, objective="dpo", orpo_lambda=0.5),
