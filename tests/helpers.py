@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from lora_tune.cli import main
 from lora_tune.config import TrainConfig
@@ -223,3 +225,17 @@ def tree_digest(root: Path, skip: tuple[Path, ...] = ()) -> dict[str, str]:
         else:
             digest[rel] = f"{hashlib.sha256(path.read_bytes()).hexdigest()} {oct(path.stat().st_mode)}"
     return digest
+
+
+def adapted_tiny_model(path: Path):
+    """The tiny model in fp32 with an r4 adapter on q/v whose B is not zero (so it changes the model),
+    seeded: the objectives' tests compare losses and gradients against TRL's on it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = False
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return peft_model

@@ -34,7 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from lora_tune.data.batching import MicroBatch, permutation
+from lora_tune.data.batching import MicroBatch, collate, permutation
+from lora_tune.data.prepare import Sample
 from lora_tune.engines import common
 from lora_tune.errors import UserError
 from lora_tune.files import write_safetensors
@@ -44,6 +45,7 @@ from lora_tune.training.rewards import advantages
 ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's generation batch, when steps of it remain
 SAMPLES_FILE = "completions.jsonl"
 SAMPLES_LOGGED = 4  # prompt / completion / reward samples written per logging step
+GRPO_INPUTS = ("input_ids", "labels", "sequence_ids", "attention_mask", "position_ids")  # what collate builds that the loss takes
 
 
 def steps_per_epoch(cfg, n_prompts: int) -> int:
@@ -222,36 +224,18 @@ class Rollout:
         return batches
 
     def _collate(self, completions: list[Completion], adv: torch.Tensor, trained: list[bool]) -> MicroBatch:
-        """Prompt + completion per sequence, packed into one row (or one per row, padded); labels on
-        the completion tokens of trained completions only."""
-        sequences = []
-        for c, t in zip(completions, trained):
-            ids = c.prompt_ids + c.ids
-            sequences.append((ids, [IGNORE] * len(c.prompt_ids) + (c.ids if t else [IGNORE] * len(c.ids))))
-        rows = [sequences] if self.inputs.levers.packing else [[s] for s in sequences]
-        width = max(sum(len(ids) for ids, _ in row) for row in rows)
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-        positions = torch.zeros((len(rows), width), dtype=torch.long)
-        owners = torch.full((len(rows), width), -1, dtype=torch.long)
-        n = 0
-        for r, row in enumerate(rows):
-            at = 0
-            for ids, labs in row:
-                input_ids[r, at : at + len(ids)] = torch.tensor(ids)
-                labels[r, at : at + len(ids)] = torch.tensor(labs)
-                positions[r, at : at + len(ids)] = torch.arange(len(ids))
-                owners[r, at : at + len(ids)] = n
-                n, at = n + 1, at + len(ids)
-            positions[r, at:] = torch.arange(width - at)
-        inputs = {"input_ids": input_ids, "labels": labels, "sequence_ids": owners, "advantages": adv.float()}
-        if self.inputs.levers.packing:
-            inputs["position_ids"] = positions
-        else:
-            inputs["attention_mask"] = (owners >= 0).long()
-        label_tokens = int((labels != IGNORE).sum())
-        real = int((owners >= 0).sum())
-        return MicroBatch(inputs, real, label_tokens, {"sequences": len(completions), "tokens": label_tokens}, "sequences")
+        """Prompt + completion per sequence, packed into one row (or one per row, padded) by the data
+        stage's collate; labels on the completion tokens of trained completions only."""
+        samples = [
+            Sample(c.prompt_ids + c.ids, [IGNORE] * len(c.prompt_ids) + (c.ids if t else [IGNORE] * len(c.ids)))
+            for c, t in zip(completions, trained)
+        ]
+        packed = self.inputs.levers.packing
+        batch = collate([samples] if packed else [[s] for s in samples], self.pad_id, packed, units=True)
+        inputs = {k: batch.inputs[k] for k in GRPO_INPUTS if k in batch.inputs}
+        inputs["advantages"] = adv.float()
+        counts = {"sequences": len(completions), "tokens": batch.label_tokens}
+        return MicroBatch(inputs, batch.tokens, batch.label_tokens, counts, "sequences")
 
     def _score_fixed_log_probs(self, batches: list[MicroBatch]) -> None:
         """The reference's per-token log-probabilities (beta > 0) and the policy's as it generated

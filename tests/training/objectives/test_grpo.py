@@ -13,12 +13,12 @@ import types
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM
 
 from lora_tune.data.batching import collate
 from lora_tune.models.head import IGNORE
 from lora_tune.training.objectives.grpo import GRPOLoss
+
+from helpers import adapted_tiny_model
 
 trl = pytest.importorskip("trl")
 trl_utils = pytest.importorskip("trl.trainer.utils")
@@ -48,15 +48,7 @@ def config(loss_type="dapo", importance_sampling="token", beta=0.0):
 @pytest.fixture(scope="module")
 def start(tiny_model):
     """The tiny model with an adapter whose B is not zero (so it changes the model)."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model.config.use_cache = False
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return peft_model.train()
+    return adapted_tiny_model(tiny_model).train()
 
 
 # --- the completions, as TRL holds them and as our micro-batches do ---------------------------------

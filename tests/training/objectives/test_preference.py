@@ -10,7 +10,7 @@ import math
 import datasets
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,7 +20,7 @@ from lora_tune.data.prepare import prepare_data
 from lora_tune.training.objectives.preference import PreferenceLoss
 from lora_tune.training.objectives.reference import REFERENCE_FILE
 
-from helpers import FAST, data_config, fast_train_args, read_metrics, run_cli, step_losses, write_jsonl
+from helpers import FAST, adapted_tiny_model, data_config, fast_train_args, read_metrics, run_cli, step_losses, write_jsonl
 
 trl = pytest.importorskip("trl")
 
@@ -43,15 +43,7 @@ BETA = {"dpo": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1, "kto": 0.1}
 @pytest.fixture(scope="module")
 def start(tiny_model):
     """The tiny model with an adapter whose B is not zero (so it changes the model), its tokenizer."""
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    model.config.use_cache = False
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return peft_model, AutoTokenizer.from_pretrained(tiny_model)
+    return adapted_tiny_model(tiny_model), AutoTokenizer.from_pretrained(tiny_model)
 
 
 def trl_trainer(objective: str, model, tokenizer, rows: list[dict], out):
