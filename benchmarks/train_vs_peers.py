@@ -105,7 +105,9 @@ def encode(r):
     return {"input_ids": ids, "labels": ([-100] * len(p) + a)[: cfg["max_seq_len"]], "attention_mask": [1] * len(ids)}
 data = Dataset.from_list([encode(r) for r in rows])
 model = get_peft_model(load_model(), LoraConfig(r=16, lora_alpha=32, lora_dropout=cfg["dropout"], target_modules="all-linear", task_type="CAUSAL_LM"))
-args = TrainingArguments(output_dir=sys.argv[4], per_device_train_batch_size=cfg["micro_batch_size"], **common_args())
+rows_per_pass = 1 if cfg.get("accumulate") else cfg["micro_batch_size"]  # the accumulated route: a micro-batch's rows one at a time
+args = TrainingArguments(output_dir=sys.argv[4], per_device_train_batch_size=rows_per_pass,
+                         gradient_accumulation_steps=cfg["micro_batch_size"] // rows_per_pass, **common_args())
 trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100),
                   callbacks=[step_times])
 t = time.perf_counter()
@@ -178,6 +180,9 @@ ROUTES = {
     "lora-tune train --gradient-checkpointing on": (LORA_TUNE, {"checkpointing": "on"}),
     "lora-tune train --compile --gradient-checkpointing on": (LORA_TUNE, {"compile": True, "checkpointing": "on"}),
     "HF Trainer + PEFT (padded)": (HF_TRAINER, {}),
+    # The same optimizer steps with a micro-batch's rows run one at a time (gradient accumulation): the
+    # peer's counterpart of lora-tune's passes on a CPU (lora_tune.data.batching.passes).
+    "HF Trainer + PEFT (padded, rows accumulated)": (HF_TRAINER, {"accumulate": True}),
     "TRL SFTTrainer (packing, padding-free)": (TRL_SFT, {}),
 }
 

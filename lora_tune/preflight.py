@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora_tune.after import evaluation, serving
-from lora_tune.data.batching import MicroBatches
+from lora_tune.data.batching import PASS_TOKENS, MicroBatches
 from lora_tune.data.prepare import prepare_data
 from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
@@ -75,9 +75,22 @@ def check_rewards_unchanged(rewards, saved_state: dict | None) -> None:
         )
 
 
+def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
+    """Padded tokens per forward + backward pass when a micro-batch runs in several (a CPU, one process,
+    data on disk: lora_tune.data.batching.passes), else None. The sharding backends count micro-steps
+    themselves, and online objectives build their own batches."""
+    objective = objectives.of(cfg)
+    row = cfg.max_seq_len * objective.sequences_per_unit
+    tokens = max(PASS_TOKENS, row)
+    if device.type != "cpu" or engines.spec_of(cfg).multi_process or objective.online or cfg.micro_batch_size * row <= tokens:
+        return None
+    return tokens
+
+
 def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
-    """Packing, the chunked loss, activation offload and the attention kernels, checked against
-    this model and machine from its config alone; what can't apply says so in one line."""
+    """Packing, the chunked loss, activation offload, the attention kernels and the passes per
+    micro-batch, checked against this model and machine from its config alone; what can't apply
+    says so in one line."""
     attention = attention_implementation(cfg, config, device)
     packing = cfg.packing
     reason = packing_refusal(config) if cfg.packing else None
@@ -100,8 +113,10 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     compiled = ""
     if cfg.compile:
         compiled = "; decoder layers " + ("" if chunk == 0 else "and the loss's chunk step ") + "compiled (regional torch.compile)"
-    log.info("attention: %s; packing %s; loss %s%s", attention, "on" if packing else "off", chunks, compiled)
-    return SpeedLevers(packing, chunk, attention)
+    passes = pass_tokens(cfg, device)
+    split = f"; micro-batches in passes of up to {passes} tokens" if passes else ""
+    log.info("attention: %s; packing %s; loss %s%s%s", attention, "on" if packing else "off", chunks, compiled, split)
+    return SpeedLevers(packing, chunk, attention, passes)
 
 
 def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunInputs:
@@ -160,7 +175,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch(cfg, len(data.train))))
     else:
         steps = total_steps(cfg, len(batches))
-    plan = memory_plan(cfg, device)
+    plan = memory_plan(cfg, device, levers.pass_tokens)
     reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,

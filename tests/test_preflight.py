@@ -3,8 +3,11 @@ tokenized and the weights are loaded, and the checked inputs are what the recipe
 
 from __future__ import annotations
 
+import torch
+
 import lora_tune.config
 import lora_tune.preflight
+from lora_tune.data.batching import PASS_TOKENS
 
 from helpers import fast_train_args, run_cli, single_error_line
 
@@ -31,3 +34,23 @@ def test_the_checked_inputs_carry_what_training_reads_from_other_rooms(tiny_mode
     assert "per device" in table.lower() and advice.startswith("try, in this order: ")
     assert inputs.score_tasks is None  # no --eval-tasks
     assert inputs.checkpointing.enabled and inputs.total_steps >= 1
+
+
+def test_a_cpu_runs_large_micro_batches_in_passes_of_whole_rows():
+    """One process on a CPU: a micro-batch of more than PASS_TOKENS padded tokens runs in passes
+    (lora_tune.data.batching.passes); not on a GPU, not under the sharding backends (they count
+    micro-steps), not for online objectives (they build their own batches), and not when the whole
+    micro-batch fits one pass."""
+
+    def cfg(**kw):
+        return lora_tune.config.TrainConfig(
+            **{"base": "b", "data": "d", "output_dir": "o", "micro_batch_size": 4, "max_seq_len": 1024, **kw}
+        )
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert lora_tune.preflight.pass_tokens(cfg(), cpu) == PASS_TOKENS == 1024
+    assert lora_tune.preflight.pass_tokens(cfg(max_seq_len=4096), cpu) == 4096  # a row longer than the budget is a pass of its own
+    assert lora_tune.preflight.pass_tokens(cfg(max_seq_len=256), cpu) is None  # 4 x 256 tokens: one pass
+    assert lora_tune.preflight.pass_tokens(cfg(), gpu) is None
+    assert lora_tune.preflight.pass_tokens(cfg(zero=2), cpu) is None
+    assert lora_tune.preflight.pass_tokens(cfg(objective="grpo"), cpu) is None

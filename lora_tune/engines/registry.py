@@ -34,8 +34,9 @@ class Engine(Protocol):
     (`load_state`) -> steps -> `adapter_state` / `save_state` at checkpoints.
 
     A step is exactly `cfg.grad_accum` calls of `forward_backward` followed by one `step()` (or
-    `zero_grad()` when the step is dropped): backends may count micro-batches against it (DeepSpeed
-    marks its accumulation boundary that way)."""
+    `zero_grad()` when the step is dropped): backends that run several processes may count
+    micro-batches against it (DeepSpeed marks its accumulation boundary that way). One-process
+    backends on a CPU get each micro-batch in passes (lora_tune.data.batching.passes), a call each."""
 
     spec: ClassVar[BackendSpec]
     # True where an overflowing step is routine and handled (fp16 loss scaling): such a skipped

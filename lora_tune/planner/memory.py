@@ -24,7 +24,9 @@
   logits (--loss-chunk-size 0), the loss upcasts to fp32 and keeps it (4 V per token); backward adds
   the fp32 gradient and the compute-dtype logits exist meanwhile: (8 + e) V per token at the peak.
 * Packing fills every row up to --max-seq-len, so a micro-batch holds micro_batch_size x max_seq_len
-  tokens: the same worst case the plan assumes without it (full-length samples).
+  tokens: the same worst case the plan assumes without it (full-length samples). On a CPU a
+  micro-batch runs in passes of whole rows (lora_tune.data.batching.passes): activations and logits
+  are a pass's, as many full rows as its token budget holds (one at least).
 * Activation offload moves the checkpointed layer inputs (e h per token per layer) to host memory.
 * Online RL (GRPO): a micro-batch trains prompt + completion (max_seq_len + max_new_tokens tokens per
   sequence); before it, the policy generates a step's completions at once with a KV cache of
@@ -78,6 +80,7 @@ class Setup:
     reference: bool = False  # the objective scores the reference policy too (one no-grad forward per unit)
     new_tokens: int = 0  # online RL: tokens generated per completion (--max-new-tokens), trained after the prompt
     rollout_sequences: int = 0  # online RL: completions generated at once (a step's: micro-batch x grad-accum)
+    pass_tokens: int | None = None  # a CPU's passes: padded tokens per forward + backward pass; None: a micro-batch per pass
 
     @property
     def world(self) -> int:
@@ -85,10 +88,13 @@ class Setup:
 
     @property
     def tokens(self) -> int:
-        """Per micro-batch: packing fills rows to max_seq_len (per sequence of a unit), the worst case
-        without it. A pair's reference forward (per step, no gradient) runs one layer at a time and
-        peaks below training's backward, so it adds time, not memory."""
-        return self.micro_batch_size * (self.max_seq_len + self.new_tokens) * self.sequences_per_unit
+        """Per forward + backward pass (a micro-batch, or on a CPU the full rows a pass holds):
+        packing fills rows to max_seq_len (per sequence of a unit), the worst case without it. A
+        pair's reference forward (per step, no gradient) runs one layer at a time and peaks below
+        training's backward, so it adds time, not memory."""
+        row = (self.max_seq_len + self.new_tokens) * self.sequences_per_unit
+        rows = self.micro_batch_size if self.pass_tokens is None else min(self.micro_batch_size, max(1, self.pass_tokens // row))
+        return rows * row
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,9 @@ def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, la
     if setup.rollout_sequences:
         unit = f" (prompt) + {setup.new_tokens} generated, {setup.rollout_sequences} completions per rollout ({setup.objective})"
     rows = [
-        f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}, "
+        f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}"
+        + (f" in passes of {setup.tokens} tokens" if setup.pass_tokens else "")
+        + ", "
         f"{checkpointing_text(setup, layers)}, {setup.optim}, {backend}, offload {setup.offload}, "
         f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
         f"trainable (LoRA) parameters: {est.trainable_parameters:,}",

@@ -24,11 +24,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SpeedLevers:
-    """Packing, the chunked loss and the attention kernels as they apply to this model and machine."""
+    """Packing, the chunked loss, the attention kernels and the passes per micro-batch as they apply
+    to this model and machine."""
 
     packing: bool
     loss_chunk_size: int | None  # None: per micro-batch (auto); 0: the model's own full-logits loss
     attention: str
+    # Padded tokens per forward + backward pass (lora_tune.data.batching.passes): on a CPU, a micro-batch's
+    # rows in passes of up to this many; None: the whole micro-batch in one pass.
+    pass_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.data.batching import collate, pack_best_fit_decreasing
+from lora_tune.data.batching import collate, pack_best_fit_decreasing, passes
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.registry import Engine
 from lora_tune.errors import TrainingStopped
@@ -56,13 +56,17 @@ class TrainingLoop:
     # --- batches ---------------------------------------------------------------------------------
     def step_batches(self, step: int) -> list:
         """This rank's micro-batches of optimizer step `step`: the global micro-batch sequence is
-        dealt out round-robin, so N ranks together see what one process would, in order."""
+        dealt out round-robin, so N ranks together see what one process would, in order. A
+        micro-batch run in passes (a CPU: lora_tune.data.batching.passes) is collated pass by pass."""
         if self.rollout:
             return self.rollout.step_batches(step)
         world, rank = dist.world_size(), dist.rank()
         first = step * self.cfg.grad_accum
         train = self.inputs.data.train
-        return [self._collate(train, self.inputs.batches.rows(j * world + rank)) for j in range(first, first + self.cfg.grad_accum)]
+        tokens = self.inputs.levers.pass_tokens
+        micro_batches = [self.inputs.batches.rows(j * world + rank) for j in range(first, first + self.cfg.grad_accum)]
+        groups = [part for rows in micro_batches for part in passes(rows, train.lengths, tokens)] if tokens else micro_batches
+        return [self._collate(train, rows) for rows in groups]
 
     def _collate(self, samples, rows: list[list[int]]):
         return collate([[samples[i] for i in row] for row in rows], self.pad_id, self.inputs.levers.packing, self.inputs.objective.units)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_tune.config import TrainConfig
-from lora_tune.data.batching import IGNORE, MicroBatches, collate, pack_best_fit_decreasing
+from lora_tune.data.batching import IGNORE, MicroBatches, collate, pack_best_fit_decreasing, passes
 from lora_tune.data.prepare import Sample
 from lora_tune.models.adapter import add_lora
 from lora_tune.models.loading import load_base_model
@@ -21,6 +21,18 @@ def test_best_fit_decreasing_packs_every_sample_once_within_capacity():
     # 3,724 tokens need at least 4 rows of 1,024; best fit reaches that here.
     assert len(rows) == 4
     assert rows == pack_best_fit_decreasing(lengths, 1024)  # deterministic
+
+
+def test_passes_keep_rows_whole_in_order_within_their_tokens():
+    """A CPU's passes over a micro-batch: consecutive rows up to the padded-token budget (rows x the
+    longest row), a row at least, every row once and in order."""
+    lengths = [600, 400, 1000, 300, 200, 100, 1500, 50]
+    rows = [[0, 1], [2], [3, 4], [5], [6], [7]]  # 1,000 / 1,000 / 500 / 100 / 1,500 / 50 tokens
+    groups = passes(rows, lengths, 1024)
+    assert [row for group in groups for row in group] == rows
+    assert groups == [[[0, 1]], [[2]], [[3, 4], [5]], [[6]], [[7]]]
+    assert passes(rows, lengths, 10_000) == [rows]
+    assert passes(rows[:2], lengths, 2000) == [rows[:2]]  # 2 x 1,000 padded tokens fit exactly
 
 
 def test_an_epoch_covers_each_row_once_and_the_next_reshuffles():

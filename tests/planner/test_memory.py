@@ -241,6 +241,22 @@ def test_planned_peak_within_10_percent_of_measured_for_every_split(tiny_four_la
     assert measured[0] < measured[2] < measured[3] < measured[4]
 
 
+def test_a_cpu_pass_is_planned_as_the_full_rows_it_holds(tiny_four_layers):
+    """On a CPU a micro-batch runs in passes of whole rows (lora_tune.data.batching.passes): the plan's
+    activations and logits are those of a micro-batch of the rows a pass holds (a row at least); the
+    model states are the micro-batch's."""
+    arch = load_architecture(str(tiny_four_layers))
+    whole = plan.Setup(precision="fp32", rank=8, micro_batch_size=4, max_seq_len=512, kept_layers=1)
+    passes = replace(whole, pass_tokens=1024)
+    two_rows = replace(whole, micro_batch_size=2)
+    assert (whole.tokens, passes.tokens, replace(whole, pass_tokens=100).tokens) == (2048, 1024, 512)
+    assert plan.activation_bytes(arch, passes) == plan.activation_bytes(arch, two_rows)
+    assert plan.logits_bytes(arch, passes) == plan.logits_bytes(arch, two_rows)
+    planned = plan.estimate(arch, passes).per_device
+    assert planned == plan.estimate(arch, two_rows).per_device
+    assert planned["activations_bytes"] < plan.estimate(arch, whole).per_device["activations_bytes"]
+
+
 def test_checkpointing_cuts_planned_activations_for_a_70b():
     with_ckpt = plan.activation_bytes(LLAMA3_70B, plan.Setup(gradient_checkpointing=True))[0]
     without = plan.activation_bytes(LLAMA3_70B, plan.Setup(gradient_checkpointing=False))[0]

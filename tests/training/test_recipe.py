@@ -109,6 +109,49 @@ def test_grad_accumulation_matches_one_big_batch(tiny_model, data_files, tmp_pat
         torch.testing.assert_close(grads[2][k], grads[4][k], rtol=1e-4, atol=1e-6 * scale)
 
 
+def test_cpu_passes_give_the_gradients_of_one_pass(tiny_model, tmp_path):
+    """On a CPU a micro-batch of more than PASS_TOKENS padded tokens runs in passes of whole rows
+    (lora_tune.data.batching.passes): the step's loss and LoRA gradients are those of one pass over
+    the micro-batch, within fp32 summation-order rounding."""
+    words = "the model reads a long line of text and learns the next word of it".split()
+    rows = [{"text": " ".join(words[(i + k) % len(words)] for k in range(n))} for i, n in enumerate([260, 300, 330, 280])]
+    data = write_jsonl(tmp_path / "long.jsonl", rows)
+    cfg = TrainConfig(
+        base=str(tiny_model),
+        data=str(data),
+        output_dir=str(tmp_path / "out"),
+        precision="fp32",
+        rank=4,
+        max_steps=1,
+        micro_batch_size=4,
+        max_seq_len=512,
+        optim="adamw",
+        seed=7,
+        dropout=0.0,
+    )
+    inputs = check_inputs(cfg)
+    assert inputs.device.type == "cpu" and inputs.levers.pass_tokens == 1024
+    results = {}
+    for name, levers in [("passes", inputs.levers), ("one pass", replace(inputs.levers, pass_tokens=None))]:
+        recipe = Recipe(replace(inputs, levers=levers))
+        recipe.setup()
+        try:
+            loop = recipe.loop
+            batches = loop.step_batches(0)
+            divisor = loop._step_totals(batches)
+            loss = sum(float(loop.engine.forward_backward(batch, divisor)) for batch in batches)
+            grads = {k: p.grad.detach().clone() for k, p in loop.model.peft_model.named_parameters() if p.requires_grad}
+            results[name] = (len(batches), [b.inputs["input_ids"].shape[0] for b in batches], loss, grads)
+        finally:
+            recipe.cleanup()
+    (n_passes, pass_rows, loss, grads), (n_one, one_rows, loss_one, grads_one) = results["passes"], results["one pass"]
+    assert n_one == 1 and one_rows == [4] and n_passes == 2 and pass_rows == [2, 2]
+    assert loss == pytest.approx(loss_one, rel=1e-6)
+    scale = max(float(g.abs().max()) for g in grads_one.values())
+    for k in grads_one:
+        torch.testing.assert_close(grads[k], grads_one[k], rtol=1e-4, atol=1e-6 * scale)
+
+
 def step_gradients(base: Path, data: Path, out: Path, mbs: int, ga: int) -> dict[str, torch.Tensor]:
     """The LoRA gradients of the first optimizer step, through the recipe's own batches and engine."""
     cfg = TrainConfig(
