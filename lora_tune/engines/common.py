@@ -68,26 +68,36 @@ def evaluate(module, batches, precision: str | None, device: torch.device) -> tu
 
 
 @torch.no_grad()
-def generate(
-    peft_model, prompts: list[list[int]], max_new_tokens: int, precision: str | None, device: torch.device, synced: bool = False
-) -> list[list[int]]:
-    """Greedy completions, one prompt at a time. `synced`: every rank runs the same number of
-    forward passes (ZeRO-3 / FSDP2 gather weights collectively), whoever finishes first."""
-    peft_model.eval()
-    outputs = []
-    for ids in prompts:
-        x = torch.tensor([ids], device=device)
-        with autocast(precision, device) if precision else contextlib.nullcontext():
-            y = peft_model.generate(
-                input_ids=x,
-                attention_mask=torch.ones_like(x),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                use_cache=True,
+def generate(module, input_ids, attention_mask, settings, logits_processor, precision: str | None, device: torch.device, synced: bool):
+    """The policy's completions of a left-padded batch, [rows, prompt + new tokens], by the loss
+    module's `generate` (base + adapter). Eval mode and eager (decoding changes the KV cache at every
+    step: compiled layers would recompile). `synced`: every rank runs the same number of forward
+    passes, whoever finishes first (ZeRO-3 and FSDP2 gather weights collectively in each);
+    precision None: no autocast, the backend casts itself."""
+    module.eval()
+    try:
+        with torch.compiler.set_stance("force_eager"), autocast(precision, device) if precision else contextlib.nullcontext():
+            return module.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=settings,
+                logits_processor=logits_processor,
                 synced_gpus=synced,
             )
-        outputs.append(y[0, len(ids) :].tolist())
-    peft_model.train()
+    finally:
+        module.train()
+
+
+def greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy completions of tokenized prompts through an engine's `generate`, one prompt at a time
+    (no padding to reason about; these are a few samples)."""
+    from transformers import GenerationConfig  # noqa: PLC0415 - generation's settings, needed only here
+
+    settings = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True)
+    outputs = []
+    for ids in prompts:
+        x = torch.tensor([ids])
+        outputs.append(engine.generate(x, torch.ones_like(x), settings)[0, len(ids) :].tolist())
     return outputs
 
 

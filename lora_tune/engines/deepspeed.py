@@ -247,8 +247,10 @@ class DeepSpeedEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.ds, batches, self.cfg.precision, self.device)  # ZeRO-3: collective
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return common.generate(self.model.peft_model, prompts, max_new_tokens, self.cfg.precision, self.device, synced=self.zero3)
+    def generate(self, input_ids, attention_mask, settings, logits_processor=None):
+        # ZeRO-3 gathers each module's weights as it runs (collective): the ranks decode in lockstep.
+        model, precision = self.model, self.cfg.precision
+        return common.generate(model, input_ids, attention_mask, settings, logits_processor, precision, self.device, self.zero3)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

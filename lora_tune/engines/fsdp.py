@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import distribute_tensor
 
 from lora_tune.engines import common
@@ -119,6 +119,10 @@ class FSDPEngine:
             partition=lambda layer: fully_shard(layer, **policies),
             partition_root=lambda root: fully_shard(root, **policies),
         )
+        # Rollouts and sample prompts decode through the root's `generate`: FSDP2 runs its root hooks
+        # (lazy initialisation, gathering the root's weights) around it as around a forward, which
+        # matters when generation comes before any training forward (GRPO's first step).
+        register_fsdp_forward_method(model, "generate")
         self.model = model
         return model
 
@@ -183,14 +187,11 @@ class FSDPEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.model, batches, None, self.device)  # collective
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        # Generation runs the peft model inside the root: gather the root's own weights (embeddings,
-        # head) for it; each decoder layer gathers its own as it runs.
-        self.model.unshard()
-        try:
-            return common.generate(self.model.peft_model, prompts, max_new_tokens, None, self.device, synced=True)
-        finally:
-            self.model.reshard()
+    def generate(self, input_ids, attention_mask, settings, logits_processor=None):
+        # The root's `generate` is one of its forward methods (see load): the root's own weights
+        # (embeddings, head) are gathered around it, each decoder layer's as it runs (collective: the
+        # ranks decode in lockstep).
+        return common.generate(self.model, input_ids, attention_mask, settings, logits_processor, None, self.device, True)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

@@ -68,3 +68,24 @@ def all_sum_tensor(t: torch.Tensor) -> torch.Tensor:
     out = _on_collective_device(t.to(torch.float64).clone())
     torch.distributed.all_reduce(out)
     return out.to(device=t.device, dtype=t.dtype)
+
+
+def all_gather_rows(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of a (CPU) tensor, the same shape on each, concatenated in rank order (the
+    tensor itself on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return t
+    local = _on_collective_device(t.contiguous())
+    parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, local)
+    return torch.cat(parts).to(t.device)
+
+
+def first_message(message: str | None) -> str | None:
+    """The lowest rank's message among the ranks that have one, on every rank (None when none has):
+    so that a failure on one rank stops every rank with the same line, and none waits for it."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return message
+    messages: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(messages, message)
+    return next((m for m in messages if m is not None), None)

@@ -98,8 +98,9 @@ class SingleDeviceEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.model, batches, self.cfg.precision, self.device)
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return common.generate(self.model.peft_model, prompts, max_new_tokens, self.cfg.precision, self.device)
+    def generate(self, input_ids, attention_mask, settings, logits_processor=None):
+        model, precision = self.model, self.cfg.precision
+        return common.generate(model, input_ids, attention_mask, settings, logits_processor, precision, self.device, False)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

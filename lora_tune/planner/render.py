@@ -82,6 +82,8 @@ def train_command(base: str, setup: Setup) -> str:
         *([f"--objective {setup.objective}"] if setup.objective != "sft" else []),
         "--gradient-checkpointing " + ("auto" if setup.kept_layers else "on" if setup.gradient_checkpointing else "off"),
     ]
+    if setup.rollout_sequences:  # the step's completions as planned: micro-batches x accumulation
+        parts += [f"--grad-accum {setup.rollout_sequences // setup.micro_batch_size}", f"--max-new-tokens {setup.new_tokens}"]
     if setup.activation_offload:
         parts.append("--activation-offload")
     flags = engines.BACKENDS[setup.backend].flags(setup.zero)

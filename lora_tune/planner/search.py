@@ -21,13 +21,16 @@ def candidates(base: Setup, arch: Architecture, gpu_bytes: int):
         for c in engines.supported_cells()
         if c.precision in SEARCHED_PRECISIONS and engines.layer_by_layer_refusal(c, arch.quantized) is None
     ]
+    # Online RL generates a step's completions at once (rollout_sequences, the user's choice, kept): the
+    # micro-batch splits them, so only sizes that divide them give whole steps.
+    micro_batches = [m for m in MICRO_BATCHES if not base.rollout_sequences or base.rollout_sequences % m == 0]
     for cell in cells:
         if base.world > 1 and not cell.spec.multi_process:
             continue  # one process can't use several GPUs
         if base.world == 1 and cell.spec.multi_process and cell.offload == "none":
             continue  # sharding over one GPU only matters with offload
         for ckpt, act_offload in ((False, False), (True, False), (True, True)):
-            for mbs in MICRO_BATCHES:
+            for mbs in micro_batches:
                 setup = replace(
                     base,
                     precision=cell.precision,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from lora_tune.data.batching import collate, pack_best_fit_decreasing, passes
+from lora_tune.engines import common
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.registry import Engine
 from lora_tune.errors import TrainingStopped
@@ -49,7 +50,7 @@ class TrainingLoop:
         # --compile: the layers compile lazily, in the first forward; counted from here.
         self.compile_stats = CompileStats() if inputs.cfg.compile else None
         # Online objectives train on what the policy generates (lora_tune.training.rollout).
-        self.rollout = Rollout(inputs, model, inputs.rewards) if inputs.objective.online else None
+        self.rollout = Rollout(inputs, model, engine, inputs.rewards) if inputs.objective.online else None
         if self.rollout and inputs.resume_from:
             self.rollout.load(inputs.resume_from)
 
@@ -308,10 +309,7 @@ class TrainingLoop:
             lines.append(f"eval tasks at step {self.state.step}: {shown}")
         if self.inputs.eval_prompts:
             tokenizer = self.inputs.tokenizer
-            # Decoding token by token with a KV cache changes the cache's state at every layer and step:
-            # compiled layers (--compile) would recompile for each; generation runs them eagerly.
-            with torch.compiler.set_stance("force_eager"):
-                completions = self.engine.generate(self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)
+            completions = common.greedy(self.engine, self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)
             samples = [
                 {"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": tokenizer.decode(c, skip_special_tokens=True)}
                 for p, c in zip(self.inputs.eval_prompts, completions)
@@ -328,7 +326,7 @@ class TrainingLoop:
         adapter = self.engine.adapter_state()  # collective where the adapter is sharded
         try:
             removed = ckpt.write(
-                output_dir, step, self.cfg.save_total_limit, self.engine.save_state, lambda folder: self._write_main_part(folder, adapter)
+                output_dir, step, self.cfg.save_total_limit, self._write_rank_part, lambda folder: self._write_main_part(folder, adapter)
             )
         except OSError as e:
             # Full disk, quota, I/O error: the writer already removed its temp folder, and the
@@ -344,10 +342,13 @@ class TrainingLoop:
             log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
         return output_dir / f"checkpoint-{step}"
 
+    def _write_rank_part(self, folder: Path) -> None:
+        self.engine.save_state(folder)
+        if self.rollout:
+            self.rollout.save(folder)  # this rank's share of the generation batch in flight
+
     def _write_main_part(self, folder: Path, adapter: dict) -> None:
         save_adapter(self.model.peft_model, folder, adapter)
-        if self.rollout:
-            self.rollout.save(folder)
         write_json(
             folder / "trainer_state.json",
             {

@@ -2,8 +2,12 @@
 the completions, and the scored completions become the micro-batches the loss trains on.
 
 One generation batch serves `--num-iterations` optimizer steps: it holds the prompts of one step
-(micro-batch x grad-accum completions, `--num-generations` per prompt), taken from a seeded
-shuffle of the prompts per epoch. The policy is the base with its adapter (never merged); it
+(micro-batch x grad-accum completions per rank, `--num-generations` per prompt), taken from a
+seeded shuffle of the prompts per epoch. On N ranks each takes a contiguous share of the batch's
+prompts, so every group stays whole on one rank; the rewards (with the completions' lengths) are
+gathered, so advantages and statistics are the whole batch's on every rank. A completion's tokens
+depend on its place in the whole batch, not on the rank: N ranks generate, score and train on what
+one process would. The policy is the base with its adapter (never merged); it
 generates with a KV cache over left-padded prompts, and a completion ends at its first EOS
 (everything after it is masked); one that reaches `--max-new-tokens` without EOS is clipped.
 
@@ -17,7 +21,9 @@ advantage 0 for every completion: with no KL term (beta 0) its loss and gradient
 its completions are not run through the model at all (the step's normalisers still count them, so
 the loss equals TRL's); bnpo, whose normaliser is each micro-batch's own tokens, keeps them.
 
-The micro-batches pack each one's completions into one row (positions restart per completion, no
+A rank trains exactly --grad-accum micro-batches per step (the backends count micro-steps, and
+sharded ones gather weights in every forward): the completions it runs are split evenly between
+them. The micro-batches pack each one's completions into one row (positions restart per completion, no
 attention mask: the same logits as padded rows, tested), or pad one completion per row without
 packing. Old log-probabilities (`--num-iterations` > 1) and the reference's (beta > 0: the adapter
 disabled, no second copy of the base) are scored once per generation batch in no-grad passes.
@@ -36,13 +42,13 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from lora_tune.data.batching import MicroBatch, collate, permutation
 from lora_tune.data.prepare import Sample
-from lora_tune.engines import common
+from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 from lora_tune.files import write_safetensors
 from lora_tune.models.head import IGNORE
-from lora_tune.training.rewards import advantages
+from lora_tune.training.rewards import RewardError, advantages
 
-ROLLOUT_FILE = "rollout.safetensors"  # a checkpoint's generation batch, when steps of it remain
+ROLLOUT_FILE = "rollout-rank{rank}.safetensors"  # a checkpoint's generation batch (this rank's share), when steps of it remain
 SAMPLES_FILE = "completions.jsonl"
 SAMPLES_LOGGED = 4  # prompt / completion / reward samples written per logging step
 GRPO_INPUTS = ("input_ids", "labels", "sequence_ids", "attention_mask", "position_ids")  # what collate builds that the loss takes
@@ -51,8 +57,13 @@ GRPO_INPUTS = ("input_ids", "labels", "sequence_ids", "attention_mask", "positio
 def steps_per_epoch(cfg, n_prompts: int) -> int:
     """Optimizer steps of one pass over the prompts: a generation batch per step's prompts, each
     trained `--num-iterations` times."""
-    prompts_per_step = cfg.micro_batch_size * cfg.grad_accum // cfg.num_generations
+    prompts_per_step = cfg.micro_batch_size * cfg.grad_accum * world_size(cfg) // cfg.num_generations
     return math.ceil(n_prompts / prompts_per_step) * cfg.num_iterations
+
+
+def world_size(cfg) -> int:
+    """The ranks of this run: the process group's, or --nproc's before the launcher starts them."""
+    return max(dist.world_size(), cfg.nproc or 1)
 
 
 def check_reward_columns(rewards, prompts) -> None:
@@ -105,10 +116,11 @@ class Completion:
 class Rollout:
     """The generation batches of a run, and the micro-batches built from them."""
 
-    def __init__(self, inputs, model, rewards):
-        self.inputs, self.cfg, self.model, self.rewards = inputs, inputs.cfg, model, rewards
+    def __init__(self, inputs, model, engine, rewards):
+        self.inputs, self.cfg, self.model, self.engine, self.rewards = inputs, inputs.cfg, model, engine, rewards
         self.prompts = inputs.data.train
-        self.per_generation = self.cfg.micro_batch_size * self.cfg.grad_accum // self.cfg.num_generations
+        self.per_rank = self.cfg.micro_batch_size * self.cfg.grad_accum // self.cfg.num_generations  # prompts per rank
+        self.per_generation = self.per_rank * dist.world_size()
         tok = inputs.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         extra = getattr(model.get_base_model().generation_config, "eos_token_id", None)
@@ -133,21 +145,34 @@ class Rollout:
 
     def _generation_batch(self, index: int, step: int) -> list[MicroBatch]:
         cfg = self.cfg
-        prompts = self._prompt_indices(index)
-        completions = self._generate(index, prompts)
+        first = dist.rank() * self.per_rank  # this rank's share of the batch's prompts
+        completions = self._generate(index, self._prompt_indices(index)[first : first + self.per_rank], first)
         rows = [self.prompts.row(c.prompt_index) for c in completions]
         tok = self.inputs.tokenizer
         texts = tok.batch_decode([c.ids for c in completions], skip_special_tokens=True)
         # TRL's shapes: a chat prompt's completion is a list of one assistant message.
         answers = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for r, t in zip(rows, texts)]
         columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
-        per_func = self.rewards.score([r["prompt"] for r in rows], answers, [c.ids for c in completions], columns, step)
-        adv, total, stats = advantages(per_func, self.rewards.weights, cfg.num_generations, cfg.scale_rewards, self.rewards.names)
+        error = None
+        try:
+            per_func = self.rewards.score([r["prompt"] for r in rows], answers, [c.ids for c in completions], columns, step)
+        except RewardError as e:
+            error, per_func = e, torch.zeros(len(completions), len(self.rewards.names))
+        message = dist.first_message(None if error is None else str(error))  # every rank stops, none waits
+        if message is not None:
+            raise error or RewardError(message)
+        # The whole batch's rewards, lengths and clipping on every rank: [completions, functions + 2].
+        local = torch.cat(
+            [per_func, torch.tensor([[len(c.ids), c.clipped] for c in completions], dtype=torch.float32).reshape(-1, 2)], dim=1
+        )
+        gathered = dist.all_gather_rows(local)
+        adv, total, stats = advantages(gathered[:, :-2], self.rewards.weights, cfg.num_generations, cfg.scale_rewards, self.rewards.names)
         # Groups with no signal (rewards that tie) train nothing: their advantage is 0 exactly, where
         # TRL's float32 mean can leave a residue of ~1e-5 (tests/training/test_rewards.py).
         adv[stats["zero_std_groups"].repeat_interleave(cfg.num_generations)] = 0.0
-        lengths = torch.tensor([len(c.ids) for c in completions], dtype=torch.float32)
-        clipped = torch.tensor([c.clipped for c in completions], dtype=torch.float32)
+        mine = slice(first * cfg.num_generations, (first + self.per_rank) * cfg.num_generations)
+        adv, total = adv[mine], total[mine]
+        lengths, clipped = gathered[:, -2], gathered[:, -1]
         for name, value in {
             **{k: v for k, v in stats.items() if k != "zero_std_groups"},
             "completions/mean_length": lengths.mean(),
@@ -164,23 +189,22 @@ class Rollout:
 
     # --- generation --------------------------------------------------------------------------------
     @torch.no_grad()
-    def _generate(self, index: int, prompts: list[int]) -> list[Completion]:
+    def _generate(self, index: int, prompts: list[int], first: int) -> list[Completion]:
+        """G completions of each prompt; `first`: the place of this rank's first prompt in the whole
+        generation batch (the seeds follow the place, not the rank)."""
         cfg, G = self.cfg, self.cfg.num_generations
         ids = [list(self.prompts[i].input_ids) for i in prompts]
         width = max(map(len, ids))
         batch = torch.full((len(ids) * G, width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(batch)
         generators = []
-        for p, (i, prompt) in enumerate(zip(prompts, ids)):
+        for p, (i, prompt) in enumerate(zip(prompts, ids), start=first):
             for j in range(G):
-                row = p * G + j
+                row = (p - first) * G + j
                 batch[row, width - len(prompt) :] = torch.tensor(prompt)  # left padding: every prompt ends where generation starts
                 mask[row, width - len(prompt) :] = 1
                 seed = hash((cfg.seed, index, p, i, j)) % (2**63)
                 generators.append(torch.Generator().manual_seed(seed))
-        peft_model = self.model.peft_model
-        peft_model.eval()
-        device = self.inputs.device
         settings = GenerationConfig(
             max_new_tokens=cfg.max_new_tokens,
             do_sample=False,
@@ -189,14 +213,7 @@ class Rollout:
             pad_token_id=self.pad_id,
         )
         sampling = LogitsProcessorList([SeededSampling(generators, cfg.temperature, cfg.top_k, cfg.top_p)])
-        try:
-            # Decoding token by token changes the KV cache at every step: compiled layers would recompile; generation runs eagerly.
-            with torch.compiler.set_stance("force_eager"), common.autocast(cfg.precision, device):
-                out = peft_model.generate(
-                    input_ids=batch.to(device), attention_mask=mask.to(device), generation_config=settings, logits_processor=sampling
-                )
-        finally:
-            peft_model.train()
+        out = self.engine.generate(batch, mask, settings, sampling)
         completions = []
         for row, new in enumerate(out[:, width:].tolist()):
             end = next((k for k, t in enumerate(new) if t in self.eos_ids), None)
@@ -212,13 +229,17 @@ class Rollout:
         # Completions with nothing to learn: masked, or advantage 0 with no KL term (exactly zero loss and gradient).
         skip = [not t or (cfg.beta == 0 and cfg.loss_type != "bnpo" and a == 0) for t, a in zip(trained, adv.tolist())]
         kept = [k for k in range(len(completions)) if not skip[k]]
-        mbs = cfg.micro_batch_size
-        if cfg.loss_type == "bnpo" or not kept:  # bnpo averages over each micro-batch as built: every completion stays
+        ga = cfg.grad_accum
+        if cfg.loss_type == "bnpo":  # bnpo averages over each micro-batch as built: every completion stays
             kept = list(range(len(completions)))
-        groups = [kept[j : j + mbs] for j in range(0, len(kept), mbs)]
+        elif len(kept) < ga:  # a micro-batch each: skipped completions fill in (their loss and gradient are exactly 0)
+            kept = sorted(kept + [k for k in range(len(completions)) if skip[k]][: ga - len(kept)])
+        # Exactly --grad-accum micro-batches, their sizes within one of each other, in order.
+        bounds = [round(j * len(kept) / ga) for j in range(ga + 1)]
+        groups = [kept[bounds[j] : bounds[j + 1]] for j in range(ga)]
         batches = [self._collate([completions[k] for k in g], adv[g], [trained[k] for k in g]) for g in groups]
         # The step's normalisers count every completion (and every trained token), run or skipped.
-        batches[0].counts["sequences"] += len(completions) - len(kept)
+        batches[0].counts["sequences"] += len(completions) - sum(len(g) for g in groups)
         batches[0].counts["tokens"] += tokens - sum(b.counts["tokens"] for b in batches)
         self._score_fixed_log_probs(batches)
         return batches
@@ -248,7 +269,7 @@ class Rollout:
         for key, reference in wanted:
             self.model.recorded, self.model.record_reference = [], reference
             try:
-                common.evaluate(self.model, batches, self.cfg.precision, self.inputs.device)
+                self.engine.evaluate(batches)  # collective where weights are sharded: every rank, the same micro-batches
                 scored = self.model.recorded
             finally:
                 self.model.recorded, self.model.record_reference = None, False
@@ -275,10 +296,10 @@ class Rollout:
             f"{k}.{name}": t.contiguous() for k, b in enumerate(batches) for name, t in b.inputs.items() if not name.endswith("_in_step")
         }
         meta = [{"tokens": b.tokens, "label_tokens": b.label_tokens, "counts": b.counts} for b in batches]
-        write_safetensors(folder / ROLLOUT_FILE, tensors, {"generation": str(index), "batches": json.dumps(meta)})
+        write_safetensors(folder / ROLLOUT_FILE.format(rank=dist.rank()), tensors, {"generation": str(index), "batches": json.dumps(meta)})
 
     def load(self, folder) -> None:
-        path = folder / ROLLOUT_FILE
+        path = folder / ROLLOUT_FILE.format(rank=dist.rank())
         if not path.is_file():
             return
         with safe_open(str(path), "pt") as f:

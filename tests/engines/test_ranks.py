@@ -12,6 +12,9 @@ def test_without_a_process_group_everything_is_this_process():
     assert (dist.rank(), dist.world_size(), dist.is_main()) == (0, 1, True)
     assert dist.any_rank(True) is True and dist.any_rank(False) is False
     assert dist.all_sum(2.5) == 2.5
+    rows = torch.arange(6.0).reshape(3, 2)
+    assert dist.all_gather_rows(rows) is rows
+    assert dist.first_message("a reward failed") == "a reward failed" and dist.first_message(None) is None
     dist.barrier()  # nothing to wait for
 
 
@@ -25,6 +28,9 @@ def one_rank_group(tmp_path):
 def test_collectives_in_a_group(one_rank_group):
     assert dist.any_rank(True) is True and dist.any_rank(False) is False
     assert dist.all_sum(3.0) == 3.0
+    rows = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(dist.all_gather_rows(rows), rows)  # rank order, on 2 ranks: tests/engines/test_sharded_runs.py (GRPO)
+    assert dist.first_message("stop") == "stop" and dist.first_message(None) is None
 
 
 def test_launched_means_a_launcher_set_the_local_rank(monkeypatch):

@@ -32,6 +32,7 @@ from helpers import (
     run_cli,
     run_cli_subprocess,
     run_jobs,
+    single_error_line,
     start,
     step_losses,
     wait_for_steps,
@@ -64,6 +65,30 @@ PAIRS = [
     {"prompt": f"Pick a fruit {i}:", "chosen": f" {a} is good", "rejected": f" {b} {b} is bad"}
     for i, (a, b) in enumerate([("apple", "kiwi"), ("peach", "plum"), ("pear", "lemon"), ("grape", "mango")] * 4)
 ]
+# GRPO on 2 ranks: reference log-probabilities (beta > 0) and old ones (3 iterations per generation
+# batch) scored collectively; each rank generates its share of the prompts. A checkpoint at step 2
+# falls inside the first generation batch, so a resume reads every rank's share of it back.
+GRPO = {
+    "zero2-grpo": dict(zero=2),
+    "zero3-grpo": dict(zero=3),
+    "fsdp-grpo": dict(backend="fsdp"),
+}
+GRPO_ARGS = dict(
+    objective="grpo", num_generations=4, micro_batch_size=4, grad_accum=2, max_new_tokens=8, max_seq_len=64, beta=0.05, num_iterations=3,
+    max_steps=4, save_steps=2, lr=5e-2, lr_scheduler="constant",
+)  # fmt: skip
+GRPO_PROMPTS = [{"prompt": f"Write numbers {a}:", "answer": str(a)} for a in range(8)]
+EVEN_REWARD = """
+import os
+
+def even(prompts, completions, completion_ids, answer, **kwargs):
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+def fails_on_rank_1(prompts, completions, **kwargs):
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank 1 can't score")
+    return [0.0] * len(completions)
+"""
 HOLDS = re.compile(r"(zero-3|fsdp): rank (\d) holds ([\d,]+) of ([\d,]+) base parameters.*\(after loading\)")
 HELD_BYTES = re.compile(
     r"(?:zero-3|fsdp): rank (\d) holds [\d,]+ of [\d,]+ base parameters \(([\d,]+) of ([\d,]+) bytes of base tensors\) on "
@@ -92,6 +117,7 @@ def jobs(tiny_model, tmp_path_factory):
     """Every batched distributed run of this file, run once in one 2-process job."""
     root = tmp_path_factory.mktemp("distributed")
     data = write_jsonl(root / "alpaca.jsonl", ALPACA)
+    (root / "rewards.py").write_text(EVEN_REWARD)
     todo, names = [], []
 
     def add(name, argv):
@@ -119,6 +145,19 @@ def jobs(tiny_model, tmp_path_factory):
         add(f"{name}-resumed", fast_train_args(tiny_model, pairs, root / f"{name}-resumed", **PREFERENCE_ARGS, **kw, resume=True))
     zero_config = root / "no-persistence.json"
     zero_config.write_text(json.dumps(NO_PERSISTENCE))
+    prompts = write_jsonl(root / "prompts.jsonl", GRPO_PROMPTS)
+    failing = f"{root / 'rewards.py'}:fails_on_rank_1"
+    add(
+        "zero2-grpo-reward-fails",
+        fast_train_args(tiny_model, prompts, root / "zero2-grpo-reward-fails", **GRPO_ARGS, zero=2, reward=failing),
+    )
+    for name, kw in GRPO.items():
+        partitioned = {"zero_config": zero_config} if name == "zero3-grpo" else {}  # generation from partitioned weights, measured
+        add(name, fast_train_args(tiny_model, prompts, root / name, **GRPO_ARGS, **kw, **partitioned, reward=f"{root / 'rewards.py'}:even"))
+    names.append(None)
+    todo.append({"copy": [str(root / "fsdp-grpo" / "checkpoint-2"), str(root / "fsdp-grpo-resumed")], "files": ["lora_tune_config.yaml"]})
+    add("fsdp-grpo-resumed", fast_train_args(tiny_model, prompts, root / "fsdp-grpo-resumed", **GRPO_ARGS, **GRPO["fsdp-grpo"],
+                                             reward=f"{root / 'rewards.py'}:even", resume=True))  # fmt: skip
     for precision in ("8bit", "4bit"):
         name = f"zero3-{precision}-partition"
         add(
@@ -148,7 +187,7 @@ def jobs(tiny_model, tmp_path_factory):
         if name:
             err = "".join(p.read_text() for p in sorted(root.glob(f"{name}.err.rank*")))
             outcome[name] = (result["code"], err, root / name)
-    return {"root": root, "data": data, "pairs": pairs, "runs": outcome, "mixtral": mixtral}
+    return {"root": root, "data": data, "pairs": pairs, "prompts": prompts, "runs": outcome, "mixtral": mixtral}
 
 
 def run_of(jobs, name) -> tuple[Path, str]:
@@ -311,6 +350,68 @@ def test_dpo_over_packed_pairs_on_two_ranks_is_one_process_and_resumes_exactly(n
     for key in ("loss", "grad_norm", "logps/chosen", "logps/rejected", "rewards/margins", "tokens_seen"):
         assert [r[key] for r in two_ranks] == pytest.approx([r[key] for r in one_process], rel=1e-5, abs=1e-6), key
     resumed_exactly(jobs, name)
+
+
+GRPO_ONE_PROCESS: dict[str, list[dict]] = {}  # the one-process run all three compare with
+
+
+@pytest.mark.parametrize("name", list(GRPO))
+def test_grpo_on_two_ranks_is_one_process(name, jobs, tiny_model, tmp_path, capsys):
+    """Each rank generates, scores and trains whole groups of its share of the prompts; rewards are
+    gathered, so 2 ranks x 2 micro-batches compute what one process computes over the same 16
+    completions per step (4 micro-batches): the same rewards, advantages statistics, losses, KL and
+    gradient norms, step by step, through 2 generation batches of 3 iterations."""
+    out, err = run_of(jobs, name)
+    if not GRPO_ONE_PROCESS:
+        one = tmp_path / "one"
+        args = {**GRPO_ARGS, "grad_accum": 4}
+        code, _, one_err = run_cli(
+            fast_train_args(tiny_model, jobs["prompts"], one, **args, reward=f"{jobs['root'] / 'rewards.py'}:even"), capsys
+        )
+        assert code == 0, one_err
+        GRPO_ONE_PROCESS["metrics"] = [r for r in read_metrics(one) if "loss" in r]
+        GRPO_ONE_PROCESS["adapter"] = adapter(one)
+    two_ranks = [r for r in read_metrics(out) if "loss" in r]
+    one_process = GRPO_ONE_PROCESS["metrics"]
+    assert [r["step"] for r in two_ranks] == [1, 2, 3, 4]
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/max_length"):
+        # The same completions, scored alike (logged at the steps that generate: 1 and 4).
+        assert [r.get(key) for r in two_ranks] == [r.get(key) for r in one_process] and two_ranks[0][key] is not None, key
+    # The loss sums terms of order 1 that nearly cancel (advantages are centred): fp32 rounding of
+    # those terms, in another order, is ~1e-7 absolute.
+    for key in ("loss", "kl", "grad_norm", "entropy"):
+        assert [r[key] for r in two_ranks] == pytest.approx([r[key] for r in one_process], rel=1e-5, abs=1e-6), key
+    assert any(r["loss"] != 0 for r in two_ranks) and two_ranks[-1]["kl"] > 0  # it trained: the policy moved off the reference
+    # Adam moves a weight by up to lr per step whatever its gradient's size: where a gradient is
+    # rounding noise (~1e-9), the order of summation moves that weight by a fraction of lr.
+    for key, tensor in adapter(out).items():
+        torch.testing.assert_close(tensor, GRPO_ONE_PROCESS["adapter"][key], rtol=1e-4, atol=0.01 * GRPO_ARGS["lr"])
+    if name == "zero3-grpo":  # rollouts decoded from ZeRO-3's partitions leave each rank holding its partition
+        held = {(int(m[1]), m[4]): (int(m[2].replace(",", "")), int(m[3].replace(",", ""))) for m in HELD_BYTES.finditer(err)}
+        for rank in (0, 1):
+            local, whole = held[(rank, "after step 1")]
+            assert local < 0.6 * whole
+
+
+def test_grpo_on_two_ranks_resumes_inside_a_generation_batch_exactly(jobs):
+    """checkpoint-2 falls inside the first generation batch (3 iterations): each rank saved its share
+    of it, and the resumed run ends bit for bit where the straight one ends."""
+    out, _ = run_of(jobs, "fsdp-grpo")
+    assert sorted(p.name for p in (out / "checkpoint-2").glob("rollout-*")) == ["rollout-rank0.safetensors", "rollout-rank1.safetensors"]
+    resumed, err = run_of(jobs, "fsdp-grpo-resumed")
+    assert "resumed from" in err
+    assert_bit_identical(adapter(out), adapter(resumed))
+    assert step_losses(resumed)[-2:] == step_losses(out)[-2:]  # steps 3 and 4, trained after the resume
+
+
+def test_a_reward_function_failing_on_one_rank_stops_every_rank_with_its_line(jobs):
+    code, err, out = jobs["runs"]["zero2-grpo-reward-fails"]
+    assert code == 1
+    for rank in (0, 1):  # each rank ends on the same line (rank 0's is what the launcher shows); none waits
+        rank_err = (jobs["root"] / f"zero2-grpo-reward-fails.err.rank{rank}").read_text()
+        line = single_error_line(rank_err.split("--- end ---")[-1])
+        assert "fails_on_rank_1" in line and "rank 1 can't score" in line and "at step 1" in line
+    assert not list(out.glob("checkpoint-*"))
 
 
 @pytest.mark.parametrize("name", ["zero2-8bit", "zero3-8bit-offload", "zero3-4bit-offload", "fsdp-bf16", "fsdp-4bit-offload", "fsdp-8bit"])

@@ -86,3 +86,23 @@ def test_plan_shows_what_auto_checkpointing_chooses_and_train_takes_the_command(
     assert re.search(r"checkpointing (\d+) of 32 layers \(auto; step time ~\d+% below every layer\)", out), out
     code, out, err = run_cli([*plan, "--memory-budget", "200", "--gpu-memory", "h200"], capsys)
     assert code == 0 and "checkpointing off" in out, err
+
+
+@pytest.mark.parametrize(
+    "gpu,micro_batch,completions,tokens",
+    # 32 completions of 1,024 tokens don't fit a 4090 at once; on an H100 16 of 256 would, but 16 doesn't divide 24
+    [("rtx4090", 16, 32, 512), ("h100", 12, 24, 128)],
+)
+def test_auto_for_grpo_keeps_each_step_s_completions_and_gives_a_command_train_takes(gpu, micro_batch, completions, tokens, capsys):
+    """Online RL: --auto splits the step's completions (micro-batch x grad-accum, whole groups) into
+    micro-batches that divide them, so the command trains the same completions per step; and it
+    plans the rollout's tokens."""
+    argv = ["--base", "llama-8b", "--gpu-memory", gpu, "--objective", "grpo", "--num-generations", "4"]
+    argv += ["--micro-batch-size", str(micro_batch), "--grad-accum", "2", "--max-new-tokens", str(tokens), "--max-seq-len", str(tokens)]
+    command = plan_json(capsys, *argv, "--auto")["recommended"]["command"]
+    words = shlex.split(command.replace("FILE", "data.jsonl").replace("DIR", "out"))
+    cfg = config_from_args(TrainConfig, build_parser().parse_args([*words[1:], "--reward", "r.py:f", "--num-generations", "4"]))
+    check_compatibility(cfg)
+    assert cfg.objective == "grpo" and cfg.max_new_tokens == tokens
+    assert cfg.micro_batch_size * cfg.grad_accum == completions
+    assert cfg.micro_batch_size < micro_batch if gpu == "rtx4090" else cfg.micro_batch_size == 8

@@ -136,7 +136,7 @@ def test_resume_continues_exactly(iterations, stop, tiny_model, files, tmp_path,
     assert code == 0, err
     code, _, err = run_cli(grpo_args(tiny_model, files["prompts"], tmp_path / "resumed", reward, **common, max_steps=stop), capsys)
     assert code == 0, err
-    assert (tmp_path / "resumed" / f"checkpoint-{stop}" / "rollout.safetensors").is_file() == (stop % iterations != 0)
+    assert (tmp_path / "resumed" / f"checkpoint-{stop}" / "rollout-rank0.safetensors").is_file() == (stop % iterations != 0)
     args = grpo_args(tiny_model, files["prompts"], tmp_path / "resumed", reward, **common, max_steps=4, resume=True)
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
@@ -175,7 +175,8 @@ BAD = {
     "one generation": ({"num_generations": 1}, "--num-generations"),
     "groups split": ({"num_generations": 3}, "not a multiple of --num-generations 3"),
     "weights count": ({"reward_weights": ["1", "2"]}, "2 weights for 1 --reward"),
-    "several ranks": ({"zero": 2}, "runs on one process"),
+    "groups split between processes": ({"micro_batch_size": 2, "grad_accum": 1, "nproc": 2, "zero": 1}, "2 completions per process"),
+    "vllm rollouts": ({"rollout": "vllm"}, "--rollout vllm: this machine has no CUDA device"),
     "a column the data lacks": ({"data": "no-answer"}, "takes the data column 'answer', which --data lacks"),
     "eval split": ({"eval_split": 0.25}, "--eval-split"),
 }

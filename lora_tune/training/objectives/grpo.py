@@ -79,6 +79,11 @@ class GRPOLoss(torch.nn.Module):
         return token_log_probs(hidden, head.weight, targets, chunk, self.softcap, head.bias, self.temperature)
 
     # --- the loss ----------------------------------------------------------------------------------
+    def generate(self, **kwargs):
+        """The policy's (base + adapter) completions, by transformers' `generate`: a method of the
+        module the backends wrap, so a sharding backend's hooks can run around it."""
+        return self.peft_model.generate(**kwargs)
+
     def forward(
         self,
         input_ids,

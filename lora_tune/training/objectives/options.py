@@ -97,6 +97,12 @@ class GRPOOptions(Options):
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", json_schema_extra=MATH, description="grpo: advantages divided by the group's reward std, the batch's, or not at all."
     )
+    rollout: Literal["transformers", "vllm"] = Field(
+        "transformers",
+        json_schema_extra=FREE,
+        description="grpo: what generates the completions: transformers' generate (KV cache, every engine); vllm (colocated, "
+        "CUDA only) is not built yet and is refused.",
+    )
     mask_truncated: bool = Field(
         False, json_schema_extra=MATH, description="grpo: completions cut at --max-new-tokens (no EOS) take no part in the loss."
     )

@@ -83,6 +83,11 @@ class PreferenceLoss(torch.nn.Module):
             return self.sequence_logps(**inputs)
 
     # --- the loss ----------------------------------------------------------------------------------
+    def generate(self, **kwargs):
+        """The policy's (base + adapter) completions, by transformers' `generate`: a method of the
+        module the backends wrap, so a sharding backend's hooks can run around it."""
+        return self.peft_model.generate(**kwargs)
+
     def forward(
         self,
         input_ids,

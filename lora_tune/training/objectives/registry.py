@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lora_tune.engines import registry as engines
+import torch
+
 from lora_tune.errors import UserError
 from lora_tune.training.objectives.grpo import GRPOLoss
 from lora_tune.training.objectives.options import GRPOOptions
@@ -94,17 +95,16 @@ def check_online(cfg) -> None:
             "--objective grpo trains on prompts, which have no loss to evaluate: leave out --eval-data / --eval-split and watch the "
             "rewards, or sample with --eval-prompts"
         )
-    world = cfg.nproc or 1
-    if world > 1 or engines.spec_of(cfg).multi_process:  # rollouts are built for one process so far: said, not attempted
-        raise UserError(
-            "--objective grpo runs on one process and one device for now (rollouts are not yet split over ranks or generated from "
-            "sharded weights): leave out --nproc, --zero and --backend"
-        )
-    completions = cfg.micro_batch_size * cfg.grad_accum * world
+    if cfg.rollout == "vllm":  # said before anything loads, not attempted
+        where = "this machine has no CUDA device, and vLLM runs on CUDA GPUs; " if not torch.cuda.is_available() else ""
+        raise UserError(f"--rollout vllm: {where}vLLM rollouts are not built in lora-tune yet; leave it out (transformers generates)")
+    # Each rank generates and trains whole groups (lora_tune.training.rollout): a rank's step holds
+    # --micro-batch-size x --grad-accum completions, G per prompt.
+    completions = cfg.micro_batch_size * cfg.grad_accum
     if completions % cfg.num_generations:
         raise UserError(
-            f"--objective grpo: a step trains --micro-batch-size x --grad-accum = {completions} completions, not a multiple of "
-            f"--num-generations {cfg.num_generations}, so a group would be split across steps; make it a multiple (e.g. "
+            f"--objective grpo: a step trains --micro-batch-size x --grad-accum = {completions} completions per process, not a "
+            f"multiple of --num-generations {cfg.num_generations}, so a group would be split; make it a multiple (e.g. "
             f"--grad-accum {cfg.num_generations // math.gcd(cfg.num_generations, cfg.micro_batch_size)})"
         )
 

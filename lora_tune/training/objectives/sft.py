@@ -26,6 +26,11 @@ class CausalLMLoss(torch.nn.Module):
     def get_base_model(self):
         return self.peft_model.get_base_model()
 
+    def generate(self, **kwargs):
+        """The policy's (base + adapter) completions, by transformers' `generate`: a method of the
+        module the backends wrap, so a sharding backend's hooks can run around it."""
+        return self.peft_model.generate(**kwargs)
+
     def forward(self, input_ids, labels, num_items_in_batch, attention_mask=None, position_ids=None):
         if self.chunk_size == 0:
             return self.peft_model(
