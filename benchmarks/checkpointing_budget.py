@@ -58,10 +58,13 @@ def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str
 
 def main() -> None:
     args, work = bench_options(6, "a 4-layer tiny model and short rows", "checkpointing-budget-")
+    import torch
+
     from lora_tune.config import TrainConfig
     from lora_tune.planner.architecture import load_architecture
     from lora_tune.planner.memory import CUDA_CONTEXT, estimate, setup_from
     from lora_tune.planner.speed import checkpointing_cost
+    from lora_tune.preflight import pass_tokens
 
     seq = 1024
     rows = long_tail_rows(16 if args.tiny else 24, seed=0, equal_length=True)
@@ -70,9 +73,9 @@ def main() -> None:
     shape = "tiny4" if args.tiny else "cpu"
     base = build_model(work / f"model-{shape}", shape, [" ".join(r.values()) for r in rows])
     arch = load_architecture(str(base))
-    setup = setup_from(
-        TrainConfig(base=str(base), data=str(data), output_dir="o", precision="fp32", rank=16, micro_batch_size=4, max_seq_len=seq)
-    )
+    cfg = TrainConfig(base=str(base), data=str(data), output_dir="o", precision="fp32", rank=16, micro_batch_size=4, max_seq_len=seq)
+    # The run's own plan: on a CPU a micro-batch trains in passes of whole rows (lora_tune.data.batching.passes).
+    setup = replace(setup_from(cfg), pass_tokens=pass_tokens(cfg, torch.device("cpu")))
     half = arch.layers // 2
     totals = {k: estimate(arch, replace(setup, kept_layers=k)).per_device["total_bytes"] for k in (half, half + 1)}
     budget = (totals[half] + totals[half + 1]) / 2 / 2**30  # room for half the layers' activations, not one more
