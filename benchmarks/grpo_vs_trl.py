@@ -122,7 +122,7 @@ def mean(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--lr", type=float, default=2e-2, help="both routes' learning rate (at 2e-3 neither learns the reward in 20 steps)")
+    parser.add_argument("--lr", type=float, default=2e-2, help="both routes' learning rate")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model, 4 steps of 16-token completions (for the test suite)")
     parser.add_argument("--routes", nargs="+", default=list(ROUTES), choices=list(ROUTES))
