@@ -10,7 +10,7 @@ from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
-from transformers import get_scheduler
+from transformers import GenerationConfig, get_scheduler
 
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import state as state_files
@@ -91,8 +91,6 @@ def generate(module, input_ids, attention_mask, settings, logits_processor, prec
 def greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy completions of tokenized prompts through an engine's `generate`, one prompt at a time
     (no padding to reason about; these are a few samples)."""
-    from transformers import GenerationConfig  # noqa: PLC0415 - generation's settings, needed only here
-
     settings = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True)
     outputs = []
     for ids in prompts:
