@@ -26,6 +26,7 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
+from lora_tune.models import sequence_parallel
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.head import chunking_refusal
@@ -50,7 +51,7 @@ from lora_tune.training.objectives import registry as objectives
 from lora_tune.training.objectives.reference import reference_plan
 from lora_tune.training.rewards import load_rewards
 from lora_tune.training.rollout import check_reward_columns, steps_per_epoch
-from lora_tune.training.run_folder import check_not_a_model, check_output_dir, check_resume_compatible
+from lora_tune.training.run_folder import check_not_a_model, check_output_dir, check_resume_compatible, run_world_size
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -61,7 +62,29 @@ log = logging.getLogger("lora_tune")
 def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
     if cfg.max_steps:
         return cfg.max_steps
-    return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * dist.world_size())))
+    data_parallel = max(1, dist.world_size() // cfg.sequence_parallel)  # a sequence-parallel group trains one share of the rows
+    return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * data_parallel)))
+
+
+def check_sequence_parallel(cfg: TrainConfig, config) -> None:
+    """--sequence-parallel N: what it can serve, before anything loads."""
+    n = cfg.sequence_parallel
+    if n == 1:
+        return
+    if not engines.spec_of(cfg).multi_process:
+        raise UserError(f"--sequence-parallel {n} splits rows across processes: use a sharding backend (--zero 1|2|3 or --backend fsdp)")
+    world = run_world_size(cfg)
+    if world % n:
+        raise UserError(f"--sequence-parallel {n} must divide the number of processes ({world}): use --nproc {max(n, world // n * n)}")
+    if cfg.objective != "sft":
+        raise UserError(f"--sequence-parallel trains --objective sft for now, not {cfg.objective}; leave it out (or use sft)")
+    if cfg.loss_chunk_size == 0:
+        raise UserError("--sequence-parallel needs the chunked loss (each rank scores its slice of the row): leave --loss-chunk-size out")
+    if cfg.compile:
+        raise UserError("--sequence-parallel exchanges slices of rows inside attention, which --compile can't capture yet: leave it out")
+    reason = sequence_parallel.refusal(config, n)
+    if reason:
+        raise UserError(f"--sequence-parallel {n}: {reason}")
 
 
 def check_rewards_unchanged(rewards, saved_state: dict | None) -> None:
@@ -136,6 +159,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, quant_method(config))
+    check_sequence_parallel(cfg, config)
     dequantizing(config, cfg.precision)  # a pre-quantized checkpoint that can't be trained this way: one line now
     reason = checkpointing_refusal(config) if cfg.gradient_checkpointing != "off" else None
     if reason and cfg.gradient_checkpointing == "on":

@@ -20,6 +20,9 @@ On a CPU a micro-batch's rows go through forward and backward in passes (`passes
 of at most `PASS_TOKENS` padded tokens together (one row when a row holds more). The loss is summed
 over label tokens and divided by the step's totals, so the passes give the step's gradients as one
 pass would, like accumulation; the activations are a pass's.
+
+Under `--sequence-parallel N` the ranks of a group share each micro-batch, each holding 1/N of every
+row (`shard_rows`).
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ class MicroBatch:
     # preference objectives); the others reach the loss as `<name>_in_step` inputs.
     counts: dict[str, int] = field(default_factory=dict)
     normalizer: str = "label_tokens"
+    row_tokens: tuple[int, ...] = ()  # real tokens of each row (they come first, padding after)
 
     @property
     def weight(self) -> int:
@@ -198,8 +202,9 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False) ->
     else:
         lengths = torch.tensor([sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows])
         inputs["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    row_tokens = tuple(sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows)
     if not units:
-        return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count})
+        return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count}, row_tokens=row_tokens)
     samples = list(dict.fromkeys(id(s) for row in rows for _, s in row))  # each unit once, in order
     by_id = {id(s): s for row in rows for _, s in row}
     per_sequence = torch.zeros(n_sequences, dtype=torch.long)
@@ -211,4 +216,37 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False) ->
         inputs["reference_logps"] = torch.tensor([v for k in samples for v in by_id[k].reference], dtype=torch.float32)
     # The tokens the first sequences of the units predict (a pair's chosen: all but its first token): ORPO's NLL divides by these.
     first_sequence = int((torch.bincount(owners[owners >= 0], minlength=n_sequences)[0::2] - 1).sum())
-    return MicroBatch(inputs, tokens, label_count, {"units": len(samples), "chosen_tokens": first_sequence}, "units")
+    return MicroBatch(inputs, tokens, label_count, {"units": len(samples), "chosen_tokens": first_sequence}, "units", row_tokens)
+
+
+def shard_rows(batch: MicroBatch, parts: int, index: int, pad_id: int) -> MicroBatch:
+    """Sequence parallelism (`lora_tune.models.sequence_parallel`): this rank's `index`-th of `parts`
+    consecutive slices of every row of a (non-unit) micro-batch. Everything that needs the whole row
+    is computed on it first: its width padded to a multiple of `parts` (padding continues the last
+    sample's positions; no real token attends to it, nothing is trained on it), position ids (an
+    unpacked row is one sample, its padding at its end), labels shifted by one (each position holds
+    the token it predicts, so no label crosses a slice boundary), and the row's position ids whole
+    (`row_position_ids`: where samples start, for attention). The counts are the slice's: summed
+    over the group's ranks they are the micro-batch's."""
+    ids, labels = batch.inputs["input_ids"], batch.inputs["labels"]
+    rows, width = ids.shape
+    positions = batch.inputs.get("position_ids")
+    if positions is None:
+        positions = torch.arange(width).expand(rows, -1)
+    extra = -width % parts
+    if extra:
+        ids = torch.cat([ids, ids.new_full((rows, extra), pad_id)], dim=1)
+        labels = torch.cat([labels, labels.new_full((rows, extra), IGNORE)], dim=1)
+        positions = torch.cat([positions, positions[:, -1:] + 1 + torch.arange(extra)], dim=1)
+    shifted = torch.cat([labels[:, 1:], labels.new_full((rows, 1), IGNORE)], dim=1)
+    size = ids.shape[1] // parts
+    mine = slice(index * size, (index + 1) * size)
+    real = torch.arange(ids.shape[1]).unsqueeze(0) < torch.tensor(batch.row_tokens).unsqueeze(1)
+    label_count = int((shifted[:, mine] != IGNORE).sum())
+    inputs = {
+        "input_ids": ids[:, mine].contiguous(),
+        "position_ids": positions[:, mine].contiguous(),
+        "shifted_labels": shifted[:, mine].contiguous(),
+        "row_position_ids": positions.contiguous(),
+    }
+    return MicroBatch(inputs, int(real[:, mine].sum()), label_count, {"label_tokens": label_count}, row_tokens=batch.row_tokens)

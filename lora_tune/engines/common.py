@@ -60,7 +60,8 @@ def evaluate(module, batches, precision: str | None, device: torch.device) -> tu
             **{f"{name}_in_step": torch.tensor(float(n)) for name, n in batch.counts.items() if name != batch.normalizer},
         }
         with autocast(precision, device) if precision else contextlib.nullcontext():
-            loss = module(**to_device(inputs, device), num_items_in_batch=batch.weight)
+            # A sequence-parallel slice may hold no label (its loss is 0, its weight 0).
+            loss = module(**to_device(inputs, device), num_items_in_batch=max(batch.weight, 1))
         total += float(loss) * batch.weight
         weight += batch.weight
     module.train()

@@ -1,4 +1,4 @@
-"""The options of the engines: which backend, ZeRO stage, offload and how many processes."""
+"""The options of the engines: which backend, ZeRO stage, offload, how many processes and how they split a row."""
 
 from __future__ import annotations
 
@@ -41,6 +41,14 @@ class EngineOptions(Options):
         json_schema_extra=MATH,
         description="A full DeepSpeed JSON (bucket sizes, overlap, ...); batch sizes, clipping and the stage are set from the "
         "other options.",
+    )
+    sequence_parallel: int = Field(
+        1,
+        ge=1,
+        json_schema_extra=MATH,
+        description="Split every packed row across N ranks (Ulysses: an all-to-all around attention), each holding 1/N of its "
+        "tokens, for rows longer than one device holds; --nproc must be a multiple of N (data parallel across the groups). SFT, "
+        "ZeRO-1/2/3 or FSDP2.",
     )
     nproc: int | None = Field(
         None,

@@ -11,6 +11,8 @@ import os
 
 import torch
 
+from lora_tune.models.sequence_parallel import SequenceGroup
+
 
 # --- ranks ---------------------------------------------------------------------------------------
 def rank() -> int:
@@ -89,3 +91,25 @@ def first_message(message: str | None) -> str | None:
     messages: list[str | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(messages, message)
     return next((m for m in messages if m is not None), None)
+
+
+# --- sequence parallelism ------------------------------------------------------------------------
+_SEQUENCE_GROUPS: dict[tuple[int, int], list] = {}  # (world, size) -> the process groups, made once per process
+
+
+def sequence_group(size: int) -> SequenceGroup | None:
+    """This rank's group of `size` consecutive ranks that share every row (--sequence-parallel),
+    None without. Every rank creates every group, in the same order, as torch.distributed requires."""
+    if size <= 1:
+        return None
+    world = world_size()
+    key = (world, size)
+    if key not in _SEQUENCE_GROUPS:
+        _SEQUENCE_GROUPS[key] = [torch.distributed.new_group(list(range(s, s + size))) for s in range(0, world, size)]
+    return SequenceGroup(_SEQUENCE_GROUPS[key][rank() // size], size, rank() % size)
+
+
+def data_parallel(group: SequenceGroup | None) -> tuple[int, int]:
+    """(how many data-parallel places, this rank's): ranks of one sequence group train the same rows."""
+    size = group.size if group else 1
+    return world_size() // size, rank() // size

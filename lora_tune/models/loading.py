@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoTokenizer, BitsAndBytesConfig, FineGrai
 from transformers.utils import is_flash_attn_2_available
 
 from lora_tune.errors import UserError, first_line
-from lora_tune.models import attention
+from lora_tune.models import attention, sequence_parallel
 from lora_tune.models.head import SOFTCAP_KEYS
 from lora_tune.models.structure import auto_class, decoder_body, model_class
 from lora_tune.models.tiny.configs import shrink_config
@@ -156,7 +156,12 @@ def attention_implementation(cfg, config, device: torch.device) -> str:
     """--attn-implementation resolved: auto = flash_attention_2 when installed on a GPU and the model
     supports it; on a CPU with packed rows and eager layers, sdpa_packed (`lora_tune.models.attention`) for
     the models that call attention through transformers' interface; else sdpa (eager for the few
-    models without sdpa)."""
+    models without sdpa). Under --sequence-parallel, that attention across the group's row shards
+    (`lora_tune.models.sequence_parallel`)."""
+    return sequence_parallel.implementation(_single_rank_attention(cfg, config, device), cfg.sequence_parallel)
+
+
+def _single_rank_attention(cfg, config, device: torch.device) -> str:
     choice, cls = cfg.attn_implementation, model_class(config)
     per_sample = cls is not None and cls.is_backend_compatible()
     if choice == "flash_attention_2":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.data.batching import collate, pack_best_fit_decreasing, passes
+from lora_tune.data.batching import collate, pack_best_fit_decreasing, passes, shard_rows
 from lora_tune.engines import common
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.registry import Engine
@@ -47,6 +47,9 @@ class TrainingLoop:
         self.progress: Progress | None = None
         self.last_eval_step: int | None = None
         self.stepped = False  # this process has done a step (memory is reported after the first)
+        # --sequence-parallel: the ranks of a group share each micro-batch, each with its slice of every row.
+        self.sequence_group = getattr(model, "sequence_group", None)
+        self.data_world, self.data_rank = dist.data_parallel(self.sequence_group)
         # --compile: the layers compile lazily, in the first forward; counted from here.
         self.compile_stats = CompileStats() if inputs.cfg.compile else None
         # Online objectives train on what the policy generates (lora_tune.training.rollout).
@@ -57,11 +60,12 @@ class TrainingLoop:
     # --- batches ---------------------------------------------------------------------------------
     def step_batches(self, step: int) -> list:
         """This rank's micro-batches of optimizer step `step`: the global micro-batch sequence is
-        dealt out round-robin, so N ranks together see what one process would, in order. A
-        micro-batch run in passes (a CPU: lora_tune.data.batching.passes) is collated pass by pass."""
+        dealt out round-robin, so N ranks together see what one process would, in order (the ranks
+        of a sequence-parallel group count as one). A micro-batch run in passes (a CPU:
+        lora_tune.data.batching.passes) is collated pass by pass."""
         if self.rollout:
             return self.rollout.step_batches(step)
-        world, rank = dist.world_size(), dist.rank()
+        world, rank = self.data_world, self.data_rank
         first = step * self.cfg.grad_accum
         train = self.inputs.data.train
         tokens = self.inputs.levers.pass_tokens
@@ -70,7 +74,9 @@ class TrainingLoop:
         return [self._collate(train, rows) for rows in groups]
 
     def _collate(self, samples, rows: list[list[int]]):
-        return collate([[samples[i] for i in row] for row in rows], self.pad_id, self.inputs.levers.packing, self.inputs.objective.units)
+        batch = collate([[samples[i] for i in row] for row in rows], self.pad_id, self.inputs.levers.packing, self.inputs.objective.units)
+        group = self.sequence_group
+        return shard_rows(batch, group.size, group.index, self.pad_id) if group else batch
 
     def _micro_batch_rows(self, samples) -> list[list[list[int]]]:
         """Every sample once, packed (or one per row), in micro-batches: evaluation's and the reference pass's."""
@@ -289,7 +295,9 @@ class TrainingLoop:
         if self.inputs.data.eval:
             self.model.take_stats()  # training's, already logged
             total, weight = self.engine.evaluate(self.eval_batches())
-            loss = total / max(weight, 1)
+            # Summed over ranks: a sequence-parallel rank holds a slice of each row; otherwise every
+            # rank scored the same batches, and the ratio is theirs.
+            loss = dist.all_sum(total) / max(dist.all_sum(weight), 1)
             result = {"step": self.state.step, "eval_loss": loss, **self._objective_metrics("eval_")}
             if "eval_rewards/accuracies" in result:  # a preference loss: no perplexity, the rewards instead
                 measure = f"reward accuracy {result['eval_rewards/accuracies']:.3f}, margin {result['eval_rewards/margins']:.3f}"
@@ -353,7 +361,7 @@ class TrainingLoop:
             folder / "trainer_state.json",
             {
                 **vars(self.state),
-                "micro_batches_done": self.state.step * self.cfg.grad_accum * dist.world_size(),
+                "micro_batches_done": self.state.step * self.cfg.grad_accum * self.data_world,
                 "world_size": dist.world_size(),
                 "data_fingerprint": self.inputs.data.fingerprint,
                 "base_fingerprint": self.inputs.base_fingerprint,

@@ -43,10 +43,13 @@ class Recipe:
         # Only now, with every input checked, the expensive part. The engine decides how the base
         # is loaded and partitioned and when the adapter goes in.
         engine = engines.create(cfg, inputs.device)
+        sequence_group = dist.sequence_group(cfg.sequence_parallel)  # once the ranks are up (the engine started them)
 
         def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
             peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing)
             loss = inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
+            if sequence_group:  # the objectives that take it (lora_tune.preflight refuses the others)
+                loss.sequence_group = sequence_group
             if cfg.compile:  # after the adapter is in: LoRA's layers are part of each compiled layer
                 compile_regions(loss)
             return loss

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from lora_tune.models.head import SOFTCAP_KEYS, auto_chunk_size, cross_entropy_chunk, linear_cross_entropy, shifted_hidden
+from lora_tune.models.sequence_parallel import SequenceGroup, plain_attention, shard_hidden
 
 
 class CausalLMLoss(torch.nn.Module):
@@ -22,17 +23,25 @@ class CausalLMLoss(torch.nn.Module):
         self.chunk_fn = cross_entropy_chunk  # --compile: compiled (lora_tune.training.compilation)
         config = peft_model.get_base_model().config.get_text_config(decoder=True)
         self.softcap = next((getattr(config, k) for k in SOFTCAP_KEYS if getattr(config, k, None)), None)
+        self.sequence_group: SequenceGroup | None = None  # --sequence-parallel: set by the recipe once ranks are up
 
     def get_base_model(self):
         return self.peft_model.get_base_model()
 
     def generate(self, **kwargs):
         """The policy's (base + adapter) completions, by transformers' `generate`: a method of the
-        module the backends wrap, so a sharding backend's hooks can run around it."""
-        return self.peft_model.generate(**kwargs)
+        module the backends wrap, so a sharding backend's hooks can run around it. Each rank
+        generates whole sequences, so sequence parallelism's attention is off around it."""
+        with plain_attention(self.peft_model.get_base_model()):
+            return self.peft_model.generate(**kwargs)
 
-    def forward(self, input_ids, labels, num_items_in_batch, attention_mask=None, position_ids=None):
-        if self.chunk_size == 0:
+    def forward(
+        self, input_ids, num_items_in_batch, labels=None, attention_mask=None, position_ids=None, shifted_labels=None, row_position_ids=None
+    ):
+        if shifted_labels is not None:  # this rank's slice of every row (--sequence-parallel: lora_tune.data.batching.shard_rows)
+            hidden = shard_hidden(self.peft_model, input_ids, position_ids, row_position_ids, self.sequence_group)
+            targets = shifted_labels.reshape(-1)
+        elif self.chunk_size == 0:
             return self.peft_model(
                 input_ids=input_ids,
                 labels=labels,
@@ -40,7 +49,8 @@ class CausalLMLoss(torch.nn.Module):
                 position_ids=position_ids,
                 num_items_in_batch=num_items_in_batch,
             ).loss
-        hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids)
+        else:
+            hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids)
         head = self.peft_model.get_base_model().get_output_embeddings()
         return linear_cross_entropy(
             hidden, head.weight, targets, num_items_in_batch, self.chunk(hidden, head), self.softcap, head.bias, self.chunk_fn
