@@ -93,8 +93,10 @@ def single_error_line(err: str) -> str:
     return lines[0]
 
 
-def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 900) -> list[dict]:
-    """Run CLI jobs one after another inside one `nproc`-process job (see distributed_jobs.py)."""
+def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 900, nodes: int = 1) -> list[dict]:
+    """Run CLI jobs one after another inside one `nproc`-process job (see distributed_jobs.py).
+    `nodes` > 1: that many torchrun "nodes" of `nproc` ranks each, over loopback, the README's
+    multi-node command (one torchrun per node, --node-rank, node 0 as the master)."""
     jobs_file = folder / "jobs.json"
     jobs_file.write_text(json.dumps(jobs, default=str))
     with socket.socket() as s:
@@ -102,19 +104,13 @@ def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 90
         port = s.getsockname()[1]
     (folder / "master_port").write_text(str(port))  # for tests that look at what the job left behind
     worker = Path(__file__).resolve().parent / "distributed_jobs.py"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={nproc}",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
-        str(worker),
-        str(jobs_file),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "LOCAL_SIZE": str(nproc)})
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    per_node = [[*launch, f"--nnodes={nodes}", f"--node_rank={n}"] if nodes > 1 else launch for n in range(nodes)]
+    env = {**os.environ, "LOCAL_SIZE": str(nproc)}
+    procs = [subprocess.Popen([*cmd, str(worker), str(jobs_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for cmd in per_node]
+    outputs = [p.communicate(timeout=timeout) for p in procs]
     results = Path(str(jobs_file) + ".results")
-    assert proc.returncode == 0 and results.is_file(), proc.stderr[-4000:]
+    assert all(p.returncode == 0 for p in procs) and results.is_file(), "\n".join(err[-4000:] for _, err in outputs)
     return json.loads(results.read_text())
 
 
