@@ -104,10 +104,14 @@ def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 90
         port = s.getsockname()[1]
     (folder / "master_port").write_text(str(port))  # for tests that look at what the job left behind
     worker = Path(__file__).resolve().parent / "distributed_jobs.py"
-    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1"]
+    launch.append(f"--master_port={port}")
     per_node = [[*launch, f"--nnodes={nodes}", f"--node_rank={n}"] if nodes > 1 else launch for n in range(nodes)]
     env = {**os.environ, "LOCAL_SIZE": str(nproc)}
-    procs = [subprocess.Popen([*cmd, str(worker), str(jobs_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for cmd in per_node]
+    procs = [
+        subprocess.Popen([*cmd, str(worker), str(jobs_file)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for cmd in per_node
+    ]
     outputs = [p.communicate(timeout=timeout) for p in procs]
     results = Path(str(jobs_file) + ".results")
     assert all(p.returncode == 0 for p in procs) and results.is_file(), "\n".join(err[-4000:] for _, err in outputs)

@@ -11,11 +11,20 @@ with and without sequence parallelism, against the single-node runs.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from lora_tune.models.tiny.model import build_tiny_llama
 
-from helpers import ALPACA, adapter_tensors, assert_bit_identical, fast_train_args, read_metrics, run_cli, run_jobs, step_losses, write_jsonl
+from helpers import (
+    ALPACA,
+    adapter_tensors,
+    assert_bit_identical,
+    fast_train_args,
+    read_metrics,
+    run_cli,
+    run_jobs,
+    step_losses,
+    write_jsonl,
+)
 
 pytest.importorskip("deepspeed")
 
