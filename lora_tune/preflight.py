@@ -26,7 +26,7 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
-from lora_tune.models import sequence_parallel
+from lora_tune.models import sequence_parallel, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.head import chunking_refusal
@@ -64,6 +64,14 @@ def total_steps(cfg: TrainConfig, micro_batches_per_epoch: int) -> int:
         return cfg.max_steps
     data_parallel = max(1, dist.world_size() // cfg.sequence_parallel)  # a sequence-parallel group trains one share of the rows
     return max(1, math.ceil(cfg.epochs * micro_batches_per_epoch / (cfg.grad_accum * data_parallel)))
+
+
+def unplanned_tiles(cfg: TrainConfig, config) -> int:
+    """--tiled-mlp without a memory plan (the architecture can't be read offline): on tiles, auto doesn't."""
+    if cfg.tiled_mlp != "on":
+        return 0
+    row = math.ceil(cfg.max_seq_len / cfg.sequence_parallel)
+    return tiled_mlp.tile_count(row, config.get_text_config(decoder=True).hidden_size)
 
 
 def check_sequence_parallel(cfg: TrainConfig, config) -> None:
@@ -160,6 +168,9 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, quant_method(config))
     check_sequence_parallel(cfg, config)
+    reason = tiled_mlp.refusal(config) if cfg.tiled_mlp == "on" else None
+    if reason:
+        raise UserError(f"--tiled-mlp on: {reason}; use --tiled-mlp off")
     dequantizing(config, cfg.precision)  # a pre-quantized checkpoint that can't be trained this way: one line now
     reason = checkpointing_refusal(config) if cfg.gradient_checkpointing != "off" else None
     if reason and cfg.gradient_checkpointing == "on":
@@ -220,6 +231,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         objective=objective,
         reference=reference,
         checkpointing=plan.checkpointing if plan else Checkpointing.of(cfg),
+        mlp_tiles=plan.mlp_tiles if plan else unplanned_tiles(cfg, config),
         out_of_memory_advice=plan.out_of_memory_advice if plan else (),
         score_tasks=score_tasks,
         rewards=rewards,

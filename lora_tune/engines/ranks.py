@@ -113,3 +113,13 @@ def data_parallel(group: SequenceGroup | None) -> tuple[int, int]:
     """(how many data-parallel places, this rank's): ranks of one sequence group train the same rows."""
     size = group.size if group else 1
     return world_size() // size, rank() // size
+
+
+def release_sequence_groups() -> None:
+    """Destroy this process's sequence-parallel groups once a run is done: a gloo group left to the
+    interpreter's exit can abort it ("terminate called without an active exception") while its
+    threads are torn down."""
+    for groups in _SEQUENCE_GROUPS.values():
+        for group in groups:
+            torch.distributed.destroy_process_group(group)
+    _SEQUENCE_GROUPS.clear()

@@ -81,18 +81,25 @@ class Setup:
     new_tokens: int = 0  # online RL: tokens generated per completion (--max-new-tokens), trained after the prompt
     rollout_sequences: int = 0  # online RL: completions generated at once (a step's: micro-batch x grad-accum)
     pass_tokens: int | None = None  # a CPU's passes: padded tokens per forward + backward pass; None: a micro-batch per pass
+    sequence_parallel: int = 1  # ranks sharing every row (--sequence-parallel): each holds 1/N of its tokens
+    mlp_tiles: int = 0  # --tiled-mlp: tiles of each decoder layer's MLP (0: untiled)
 
     @property
     def world(self) -> int:
         return self.gpus * self.nodes
 
     @property
+    def row_tokens(self) -> int:
+        """A row's tokens on one rank: packing fills rows to max_seq_len (per sequence of a unit),
+        the worst case without it; under sequence parallelism each rank holds 1/N of the row."""
+        return math.ceil((self.max_seq_len + self.new_tokens) * self.sequences_per_unit / self.sequence_parallel)
+
+    @property
     def tokens(self) -> int:
-        """Per forward + backward pass (a micro-batch, or on a CPU the full rows a pass holds):
-        packing fills rows to max_seq_len (per sequence of a unit), the worst case without it. A
-        pair's reference forward (per step, no gradient) runs one layer at a time and peaks below
-        training's backward, so it adds time, not memory."""
-        row = (self.max_seq_len + self.new_tokens) * self.sequences_per_unit
+        """Per forward + backward pass on one rank (a micro-batch, or on a CPU the full rows a pass
+        holds). A pair's reference forward (per step, no gradient) runs one layer at a time and
+        peaks below training's backward, so it adds time, not memory."""
+        row = self.row_tokens
         rows = self.micro_batch_size if self.pass_tokens is None else min(self.micro_batch_size, max(1, self.pass_tokens // row))
         return rows * row
 
@@ -127,6 +134,7 @@ def setup_from(cfg) -> Setup:
         nodes=getattr(cfg, "nodes", None) or max(1, int(os.environ.get("WORLD_SIZE", 1)) // local),
         objective=objective.name,
         sequences_per_unit=objective.sequences_per_unit,
+        sequence_parallel=cfg.sequence_parallel,
         reference=objective.reference,
         new_tokens=cfg.max_new_tokens if objective.online else 0,
         rollout_sequences=cfg.micro_batch_size * cfg.grad_accum if objective.online else 0,
@@ -194,17 +202,37 @@ def model_states(arch: Architecture, setup: Setup) -> ModelStates:
 
 
 # --- activations ----------------------------------------------------------------------------------
-def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
+MLP_LINEARS = {
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj",
+    "fc1",
+    "fc2",
+    "w1",
+    "w2",
+    "w3",
+    "c_fc",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+}
+
+
+def layer_terms_per_token(arch: Architecture, setup: Setup) -> tuple[float, float]:
+    """(everything but the MLP, the MLP with its LoRA layers): bytes a decoder layer saves per token."""
     e = ELEMENT[setup.precision]
     h, i = arch.hidden, arch.intermediate
-    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    kv_heads = arch.kv_heads if arch.kv_heads % setup.sequence_parallel == 0 else arch.heads  # fewer than N: repeated (ALST)
+    q, kv = arch.heads * arch.head_dim, kv_heads * arch.head_dim
     norms = 2 * (4 * h + 4)
     attention = e * (2 * q + 2 * kv) + 4 * arch.heads
     mlp = (3 if arch.gated else 2) * e * i * (arch.active_experts if arch.experts else 1)  # MoE: each token's top-k experts
     targets = resolve_targets(arch.inventory, setup)
     # Summed over every layer and averaged: layers differ (dense first layers, linear attention).
     adapted = [(name, n_in) for name, n_in, _ in arch.linears if name in targets.modules]
-    lora = sum(e * setup.rank for _ in adapted)  # lora_A outputs
+    lora = {False: 0.0, True: 0.0}  # outside / inside the MLP
+    for name, _ in adapted:  # lora_A outputs
+        lora[name in MLP_LINEARS] += e * setup.rank
     if setup.precision == "fp32":
         # No casts: LoRA layers reading the same input (q/k/v, gate/up) share one saved tensor.
         groups = [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
@@ -212,18 +240,27 @@ def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
         for name, n_in in adapted:
             group = next((g for g in groups if name in g), None)
             if group is None:
-                lora += e * n_in
+                lora[name in MLP_LINEARS] += e * n_in
             else:
                 members = shared.setdefault(group, {})
                 members[name] = members.get(name, 0) + n_in
-        lora += sum(e * max(members.values()) for members in shared.values())
+        for group, members in shared.items():
+            lora[group[0] in MLP_LINEARS] += e * max(members.values())
     else:
         # Under autocast peft recasts the input of each LoRA layer: one copy per layer.
-        lora += sum(e * n_in for _, n_in in adapted)
+        for name, n_in in adapted:
+            lora[name in MLP_LINEARS] += e * n_in
     # Fused expert tensors: each token's input and rank-r middle, per active expert.
     experts = [shape for path, shape in arch.tensors if path in targets.parameters and len(shape) == 3]
-    lora += sum(e * (shape[2] + setup.rank) * arch.active_experts for shape in experts)
-    return norms + attention + mlp + lora / arch.layers
+    lora[True] += sum(e * (shape[2] + setup.rank) * arch.active_experts for shape in experts)
+    return norms + attention + lora[False] / arch.layers, mlp + lora[True] / arch.layers
+
+
+def layer_activation_bytes_per_token(arch: Architecture, setup: Setup) -> float:
+    """What a decoder layer saves for backward per token. A tiled MLP (--tiled-mlp) keeps only its
+    input; its tiles' activations exist one tile at a time (`activation_bytes`)."""
+    rest, mlp = layer_terms_per_token(arch, setup)
+    return rest + (ELEMENT[setup.precision] * arch.hidden if setup.mlp_tiles > 1 else mlp)
 
 
 def recomputed_layers(arch: Architecture, setup: Setup) -> int:
@@ -231,23 +268,39 @@ def recomputed_layers(arch: Architecture, setup: Setup) -> int:
     return arch.layers - min(setup.kept_layers, arch.layers) if setup.gradient_checkpointing else 0
 
 
-def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
-    """(saved for backward, peak during backward) for one micro-batch, logits excluded."""
+def transient_bytes(arch: Architecture, setup: Setup) -> int:
+    """Working memory inside one layer on top of what it saves: one MLP tile's activations and their
+    gradients (--tiled-mlp), and sequence parallelism's all-to-all buffers (the pieces sent and
+    received for q, k and v, around attention, in the compute dtype)."""
     e = ELEMENT[setup.precision]
-    rope = 2 * e * arch.head_dim * setup.max_seq_len
+    extra = 0
+    if setup.mlp_tiles > 1:
+        _, mlp = layer_terms_per_token(arch, setup)
+        extra += int(2 * mlp * math.ceil(setup.tokens / setup.mlp_tiles))
+    if setup.sequence_parallel > 1:
+        kv_heads = arch.kv_heads if arch.kv_heads % setup.sequence_parallel == 0 else arch.heads
+        extra += 2 * e * (arch.heads + 2 * kv_heads) * arch.head_dim * setup.tokens
+    return extra
+
+
+def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
+    """(saved for backward, peak during backward) for one micro-batch on one rank, logits excluded."""
+    e = ELEMENT[setup.precision]
+    rope = 2 * e * arch.head_dim * setup.row_tokens
     full_layer = int(layer_activation_bytes_per_token(arch, setup) * setup.tokens) + rope
     final_norm = (4 * arch.hidden + 4) * setup.tokens
     recomputed = recomputed_layers(arch, setup)
     whole = (arch.layers - recomputed) * full_layer + final_norm  # layers that keep all their activations
+    transient = transient_bytes(arch, setup)
     if not recomputed:
-        return whole, whole
+        return whole, whole + transient
     # Each checkpointed layer keeps its input (on the host with activation offload); one is rebuilt at a time.
     inputs = 0 if setup.activation_offload else recomputed * e * arch.hidden * setup.tokens
     # The layers that keep their activations are the last ones (lora_tune.models.adapter): backward reaches
     # them first and frees theirs before it rebuilds a checkpointed layer, so a rebuilt layer adds to
     # the peak only when no layer keeps its activations (measured: keeping 1 of 4 layers peaks as
     # keeping none, each further kept layer adds one layer's activations).
-    return whole + inputs, max(whole, final_norm + full_layer) + inputs
+    return whole + inputs, max(whole, final_norm + full_layer) + inputs + transient
 
 
 def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:

@@ -1,5 +1,6 @@
-"""The memory plan of the run about to start: the split --gradient-checkpointing auto chooses, and a
-warning (with --strict-memory, an error) when the plan does not fit the device."""
+"""The memory plan of the run about to start: the split --gradient-checkpointing auto chooses, whether
+--tiled-mlp auto tiles, and a warning (with --strict-memory, an error) when the plan does not fit the
+device."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from lora_tune.errors import UserError
 from lora_tune.models.adapter import Checkpointing
+from lora_tune.models.tiled_mlp import tile_count
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import GIB, Setup, estimate, recomputed_layers, setup_from
@@ -30,12 +32,42 @@ class MemoryPlan:
 
     checkpointing: Checkpointing
     out_of_memory_advice: tuple[str, ...]  # the plan's table, then what to change, in that order
+    mlp_tiles: int = 0  # --tiled-mlp: tiles per decoder layer's MLP; 0: untiled
 
 
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
+
+
+def auto_tiling(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
+    """--tiled-mlp: on tiles every MLP; auto tiles when the plan with every layer checkpointed exceeds
+    the budget (--memory-budget, the GPU's memory less 10%, a CPU's RAM) and tiling lowers it: tiles
+    cost one more MLP forward per step, so they are for rows that don't fit otherwise."""
+    tiles = tile_count(setup.row_tokens, arch.hidden)
+    if cfg.tiled_mlp == "off" or tiles == 1 or arch.experts:
+        if cfg.tiled_mlp == "on":
+            why = "a mixture of experts routes tokens" if arch.experts else f"a row's {setup.row_tokens:,} tokens per rank make one tile"
+            log.info("--tiled-mlp on: MLPs untiled (%s)", why)
+        return setup
+    tiled = replace(setup, mlp_tiles=tiles)
+    why = "--tiled-mlp on"
+    if cfg.tiled_mlp == "auto":
+        budget = int(cfg.memory_budget * GIB) if cfg.memory_budget is not None else device_memory_bytes(device)
+        if device.type == "cuda" and cfg.memory_budget is None:
+            budget = int(BUDGET_SHARE * budget)
+        every_layer = replace(setup, gradient_checkpointing=True, kept_layers=0)
+        untiled_need = estimate(arch, every_layer).per_device["total_bytes"]
+        tiled_need = estimate(arch, replace(every_layer, mlp_tiles=tiles)).per_device["total_bytes"]
+        if untiled_need <= budget or tiled_need >= untiled_need:
+            return setup
+        why = (
+            f"auto: with every layer checkpointed the plan needs {untiled_need / GIB:.2f} GiB untiled, {tiled_need / GIB:.2f} GiB "
+            f"tiled, budget {budget / GIB:.2f} GiB"
+        )
+    log.info("tiled MLP: %d tiles per row of %s tokens per rank (%s)", tiles, f"{setup.row_tokens:,}", why)
+    return tiled
 
 
 def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
@@ -76,7 +108,7 @@ def memory_plan(cfg: TrainConfig, device: torch.device, pass_tokens: int | None 
     except UserError as e:
         log.info("memory plan skipped: %s", e)
         return None
-    setup = replace(setup_from(cfg), pass_tokens=pass_tokens)
+    setup = auto_tiling(cfg, arch, replace(setup_from(cfg), pass_tokens=pass_tokens), device)
     if cfg.gradient_checkpointing == "auto":
         setup = auto_checkpointing(cfg, arch, setup, device)
     planned = estimate(arch, setup)
@@ -91,4 +123,4 @@ def memory_plan(cfg: TrainConfig, device: torch.device, pass_tokens: int | None 
             raise UserError(f"--strict-memory: {message}")
         log.warning("warning: %s", message)
     advice = (render.table(planned, setup, have, None), "try, in this order: " + "; ".join(render.OOM_ADVICE))
-    return MemoryPlan(Checkpointing(setup.gradient_checkpointing, setup.kept_layers), advice)
+    return MemoryPlan(Checkpointing(setup.gradient_checkpointing, setup.kept_layers), advice, setup.mlp_tiles)

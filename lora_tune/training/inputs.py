@@ -57,6 +57,7 @@ class RunInputs:
     objective: Objective
     reference: ReferencePlan | None  # how the reference log-probabilities are computed (objectives that compare with one)
     checkpointing: Checkpointing  # which decoder layers recompute their activations
+    mlp_tiles: int = 0  # --tiled-mlp: tiles per decoder layer's MLP (lora_tune.models.tiled_mlp); 0: untiled
     # What an out-of-memory stop prints: the memory plan's table and what to change (empty when the
     # architecture can't be read offline).
     out_of_memory_advice: tuple[str, ...] = ()

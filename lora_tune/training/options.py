@@ -61,6 +61,14 @@ class SpeedOptions(Options):
         json_schema_extra=FREE,
         description="GiB of GPU memory --gradient-checkpointing auto plans for. Default: the GPU's memory less 10%.",
     )
+    tiled_mlp: Literal["on", "off", "auto"] = Field(
+        "auto",
+        json_schema_extra=FREE,
+        description="Compute each decoder layer's MLP over tiles of the sequence (tiles of max(hidden size, 1,024) tokens), each "
+        "recomputed in backward, so a long row never holds its full [tokens x intermediate] activations; one more MLP forward "
+        "per step. auto: on when the memory plan with every layer checkpointed exceeds the budget (--memory-budget, the GPU's "
+        "memory less 10%, a CPU's RAM) and tiling lowers it. Dense MLPs (not mixtures of experts).",
+    )
     activation_offload: bool = Field(
         False,
         json_schema_extra=FREE,

@@ -17,6 +17,7 @@ import yaml
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.models.adapter import add_lora
+from lora_tune.models.tiled_mlp import tile_mlps
 from lora_tune.training import checkpoint as ckpt
 from lora_tune.training import compilation
 from lora_tune.training.compilation import compile_regions
@@ -46,6 +47,8 @@ class Recipe:
         sequence_group = dist.sequence_group(cfg.sequence_parallel)  # once the ranks are up (the engine started them)
 
         def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
+            if inputs.mlp_tiles:  # before the adapter: names don't change, LoRA goes into the tiled MLPs' linears
+                tile_mlps(base, inputs.mlp_tiles)
             peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing)
             loss = inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
             if sequence_group:  # the objectives that take it (lora_tune.preflight refuses the others)
@@ -105,5 +108,6 @@ def run(inputs: RunInputs, on_metrics=None) -> None:
             recipe.setup()
             recipe.train()
             recipe.save()
+        dist.release_sequence_groups()  # a finished run's; after a failure the process ends with its groups
     finally:
         recipe.cleanup()
