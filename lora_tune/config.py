@@ -84,7 +84,14 @@ class PlanConfig(TrainConfig):
     )
     print_json: bool = Field(False, json_schema_extra={"flag": "--json"}, description="Print the estimate as JSON (bytes per device).")
     auto: bool = Field(
-        False, description="Search precision x ZeRO x offload x checkpointing x micro-batch for the fastest setup that fits."
+        False,
+        description="Search precision x ZeRO x offload x checkpointing x micro-batch for the fastest setup that fits (with "
+        "--max-context: the --sequence-parallel degree that fits the longest rows).",
+    )
+    max_context: bool = Field(
+        False,
+        description="Print the longest --max-seq-len that fits this setup (every layer checkpointed, MLPs tiled unless "
+        "--tiled-mlp off), in steps of 256 tokens per rank of a row.",
     )
 
     _sizes = field_validator("gpu_memory", "cpu_memory", mode="before")(size_text)

@@ -210,7 +210,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch(cfg, len(data.train))))
     else:
         steps = total_steps(cfg, len(batches))
-    plan = memory_plan(cfg, device, levers.pass_tokens)
+    plan = memory_plan(cfg, device, levers.pass_tokens, levers.attention)
     reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,

@@ -31,6 +31,7 @@ from transformers.masking_utils import find_packed_sequence_indices, sdpa_mask
 
 NAME = "sdpa_packed"
 SHAPING_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")  # what makes scores differ from plain causal attention
+VERIFY_ROWS = 1024  # query positions whose mask rows are checked at a time
 
 
 def sample_ids(module, query, key, attention_mask, position_bias, is_causal, kwargs) -> torch.Tensor | None:
@@ -54,9 +55,16 @@ def sample_ids(module, query, key, attention_mask, position_bias, is_causal, kwa
     ids = find_packed_sequence_indices(position_ids.expand(rows, -1))
     if ids is None:
         return None
-    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=query.device).tril()
-    expected = (ids[:, None, :, None] == ids[:, None, None, :]) & causal
-    return ids if torch.equal(attention_mask.expand(rows, -1, -1, -1), expected.expand(-1, attention_mask.shape[1], -1, -1)) else None
+    # Compared VERIFY_ROWS query positions at a time: the mask is tokens x tokens, and a whole
+    # expected mask (with its intermediates) would take several times that at long rows.
+    mask = attention_mask.expand(rows, -1, -1, -1)
+    keys = torch.arange(tokens, device=query.device)
+    for start in range(0, tokens, VERIFY_ROWS):
+        queries = keys[start : start + VERIFY_ROWS]
+        expected = (ids[:, None, queries, None] == ids[:, None, None, :]) & (keys[None, :] <= queries[:, None])
+        if not torch.equal(mask[:, :, start : start + VERIFY_ROWS], expected.expand(-1, mask.shape[1], -1, -1)):
+            return None
+    return ids
 
 
 def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, position_bias=None, **kwargs):

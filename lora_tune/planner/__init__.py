@@ -9,14 +9,24 @@ backends say how states are split and offloaded), `speed` (relative throughput),
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lora_tune.engines import registry as engines
+from lora_tune.errors import UserError
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
 from lora_tune.planner.memory import Estimate, Setup, estimate, setup_from
-from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed, fits, search
+from lora_tune.planner.search import (
+    BUDGET_SHARE,
+    CONTEXT_STEP,
+    at_length,
+    fewest_checkpointed,
+    fits,
+    longest_context,
+    search,
+    sequence_parallel_degrees,
+)
 from lora_tune.planner.speed import relative_speed
 from lora_tune.training import compilation
 
@@ -60,6 +70,8 @@ def compute(cfg) -> Plan:
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
     cpu_bytes = cpu_memory_bytes(cfg.cpu_memory)
     recommended = None
+    if cfg.max_context:
+        return context_plan(cfg, arch, setup, gpu_bytes, cpu_bytes)
     if cfg.auto:
         best, est, nearest = search(arch, setup, gpu_bytes, cpu_bytes)
         if best is None:
@@ -79,6 +91,29 @@ def compute(cfg) -> Plan:
     for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch)):
         text = f"{text}\n{note}" if note else text
     return Plan(est, fits(est, gpu_bytes, cpu_bytes), setup, bool(cfg.auto), recommended, text)
+
+
+def context_plan(cfg, arch, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> Plan:
+    """`plan --max-context`: the longest rows that fit this setup; with --auto, over every
+    --sequence-parallel degree the ranks allow."""
+    if cfg.auto and setup.world > 1 and not engines.spec_of(cfg).multi_process:
+        raise UserError(
+            "plan --max-context --auto over several GPUs splits rows across ranks: name a sharding backend (--zero 1|2|3 or --backend fsdp)"
+        )
+    degrees = sequence_parallel_degrees(arch, setup.world) if cfg.auto else [setup.sequence_parallel]
+    tiled = cfg.tiled_mlp != "off"
+    found = [s for n in degrees if (s := longest_context(arch, replace(setup, sequence_parallel=n), gpu_bytes, cpu_bytes, tiled))]
+    if not found:
+        text = f"not even {CONTEXT_STEP * setup.sequence_parallel} tokens per row fit; see `lora-tune plan` for what takes the memory"
+        est = estimate(arch, at_length(arch, setup, CONTEXT_STEP * setup.sequence_parallel, tiled))
+        return Plan(est, False, setup, bool(cfg.auto), None, text)
+    best = max(found, key=lambda s: (s.max_seq_len, -s.sequence_parallel))
+    est = estimate(arch, best)
+    command = render.train_command(cfg.base, best)
+    table = render.table(est, best, gpu_bytes, cpu_bytes, arch.layers)
+    text = f"longest --max-seq-len that fits: {best.max_seq_len:,} tokens\n{table}\n\n{command}"
+    recommended = asdict(best) | {"command": command, "max_context": best.max_seq_len}
+    return Plan(est, True, best, True, recommended, text)
 
 
 def run(cfg) -> int:

@@ -83,6 +83,10 @@ class Setup:
     pass_tokens: int | None = None  # a CPU's passes: padded tokens per forward + backward pass; None: a micro-batch per pass
     sequence_parallel: int = 1  # ranks sharing every row (--sequence-parallel): each holds 1/N of its tokens
     mlp_tiles: int = 0  # --tiled-mlp: tiles of each decoder layer's MLP (0: untiled)
+    # The attention implementation (lora_tune.models.loading.attention_implementation): sdpa, sdpa_packed
+    # and eager get a [tokens x tokens] mask per row from transformers; flash-attention and
+    # sequence parallelism's attention (ulysses_*) none.
+    attention: str = "flash_attention_2"
 
     @property
     def world(self) -> int:
@@ -112,9 +116,13 @@ class Estimate:
     saved_activations_bytes: int  # what autograd keeps between forward and backward
 
 
-def setup_from(cfg) -> Setup:
+def setup_from(cfg, attention: str | None = None) -> Setup:
     """The setup a training (or plan) configuration describes; world size from the plan's --gpus /
-    --nodes, else --nproc, else the launcher's environment."""
+    --nodes, else --nproc, else the launcher's environment. `attention`: the implementation the run
+    resolved; else --attn-implementation, auto planned as flash-attention (a GPU's, when installed)."""
+    if attention is None:
+        chosen = "flash_attention_2" if cfg.attn_implementation == "auto" else cfg.attn_implementation
+        attention = f"ulysses_{chosen}" if cfg.sequence_parallel > 1 else chosen
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     objective = objectives.of(cfg)
     return Setup(
@@ -135,6 +143,7 @@ def setup_from(cfg) -> Setup:
         objective=objective.name,
         sequences_per_unit=objective.sequences_per_unit,
         sequence_parallel=cfg.sequence_parallel,
+        attention=attention,
         reference=objective.reference,
         new_tokens=cfg.max_new_tokens if objective.online else 0,
         rollout_sequences=cfg.micro_batch_size * cfg.grad_accum if objective.online else 0,
@@ -270,8 +279,12 @@ def recomputed_layers(arch: Architecture, setup: Setup) -> int:
 
 def transient_bytes(arch: Architecture, setup: Setup) -> int:
     """Working memory inside one layer on top of what it saves: one MLP tile's activations and their
-    gradients (--tiled-mlp), and sequence parallelism's all-to-all buffers (the pieces sent and
-    received for q, k and v, around attention, in the compute dtype)."""
+    gradients (--tiled-mlp), and sequence parallelism's all-to-all buffers: for q, k, v and the
+    attention output, the pieces sent, those received and the joined tensor, in the compute dtype,
+    for a layer's forward and its backward at once (gloo releases a finished exchange's tensors
+    from its own threads, so a layer's exchanges can overlap: measured on a CPU, one 8,192-token row
+    on 2 ranks, the step's peak varied between 33 and 57 MiB from run to run, and this term is the
+    upper end's)."""
     e = ELEMENT[setup.precision]
     extra = 0
     if setup.mlp_tiles > 1:
@@ -279,28 +292,56 @@ def transient_bytes(arch: Architecture, setup: Setup) -> int:
         extra += int(2 * mlp * math.ceil(setup.tokens / setup.mlp_tiles))
     if setup.sequence_parallel > 1:
         kv_heads = arch.kv_heads if arch.kv_heads % setup.sequence_parallel == 0 else arch.heads
-        extra += 2 * e * (arch.heads + 2 * kv_heads) * arch.head_dim * setup.tokens
+        extra += 2 * 3 * e * (2 * arch.heads + 2 * kv_heads) * arch.head_dim * setup.tokens
     return extra
+
+
+MASKED_ATTENTION = ("sdpa", "sdpa_packed", "eager")
+
+
+def mask_bytes(setup: Setup) -> tuple[int, int]:
+    """(kept through the step, peak while built) of the attention mask transformers builds for
+    masked attention over packed or padded rows: one bool per query and key position per row, kept
+    for every layer (and their recomputation); building it takes three such grids (the causal and
+    the same-sample conditions, then their conjunction). Measured on a CPU, one 8,192-token row of 4
+    samples: the step's tensor peak was 194 MiB, three 64 MiB grids."""
+    if setup.attention not in MASKED_ATTENTION:
+        return 0, 0
+    rows = setup.tokens // setup.row_tokens
+    kept = rows * setup.row_tokens**2
+    return kept, 3 * kept
+
+
+def attention_scores_bytes(arch: Architecture, setup: Setup) -> int:
+    """Eager attention's scores per layer: the softmax's probabilities (compute dtype, kept for
+    backward) and its fp32 input, [rows x heads x tokens x tokens]; under sequence parallelism each
+    rank holds 1/N of the heads over the whole row."""
+    if setup.attention.removeprefix("ulysses_") != "eager":
+        return 0
+    rows = setup.tokens // setup.row_tokens
+    whole_row = setup.row_tokens * setup.sequence_parallel
+    return rows * arch.heads // setup.sequence_parallel * whole_row**2 * (ELEMENT[setup.precision] + 4)
 
 
 def activation_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
     """(saved for backward, peak during backward) for one micro-batch on one rank, logits excluded."""
     e = ELEMENT[setup.precision]
     rope = 2 * e * arch.head_dim * setup.row_tokens
-    full_layer = int(layer_activation_bytes_per_token(arch, setup) * setup.tokens) + rope
+    full_layer = int(layer_activation_bytes_per_token(arch, setup) * setup.tokens) + rope + attention_scores_bytes(arch, setup)
     final_norm = (4 * arch.hidden + 4) * setup.tokens
     recomputed = recomputed_layers(arch, setup)
     whole = (arch.layers - recomputed) * full_layer + final_norm  # layers that keep all their activations
     transient = transient_bytes(arch, setup)
+    mask, building = mask_bytes(setup)
     if not recomputed:
-        return whole, whole + transient
+        return whole + mask, max(whole + transient + mask, building)
     # Each checkpointed layer keeps its input (on the host with activation offload); one is rebuilt at a time.
     inputs = 0 if setup.activation_offload else recomputed * e * arch.hidden * setup.tokens
     # The layers that keep their activations are the last ones (lora_tune.models.adapter): backward reaches
     # them first and frees theirs before it rebuilds a checkpointed layer, so a rebuilt layer adds to
     # the peak only when no layer keeps its activations (measured: keeping 1 of 4 layers peaks as
     # keeping none, each further kept layer adds one layer's activations).
-    return whole + inputs, max(whole, final_norm + full_layer) + inputs + transient
+    return whole + inputs + mask, max(max(whole, final_norm + full_layer) + inputs + transient + mask, building)
 
 
 def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:

@@ -44,6 +44,8 @@ def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, la
     rows = [
         f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}"
         + (f" in passes of {setup.tokens} tokens" if setup.pass_tokens else "")
+        + (f", each row split over {setup.sequence_parallel} ranks (sequence parallel)" if setup.sequence_parallel > 1 else "")
+        + (f", MLPs in {setup.mlp_tiles} tiles" if setup.mlp_tiles > 1 else "")
         + ", "
         f"{checkpointing_text(setup, layers)}, {setup.optim}, {backend}, offload {setup.offload}, "
         f"{setup.gpus} GPU(s) x {setup.nodes} node(s)",
@@ -86,6 +88,10 @@ def train_command(base: str, setup: Setup) -> str:
         parts += [f"--grad-accum {setup.rollout_sequences // setup.micro_batch_size}", f"--max-new-tokens {setup.new_tokens}"]
     if setup.activation_offload:
         parts.append("--activation-offload")
+    if setup.sequence_parallel > 1:
+        parts.append(f"--sequence-parallel {setup.sequence_parallel}")
+    if setup.mlp_tiles > 1:
+        parts.append("--tiled-mlp on")
     flags = engines.BACKENDS[setup.backend].flags(setup.zero)
     if flags:
         parts += [" ".join(flags), f"--offload {setup.offload}"]

@@ -99,16 +99,17 @@ def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.devic
     return chosen
 
 
-def memory_plan(cfg: TrainConfig, device: torch.device, pass_tokens: int | None = None) -> MemoryPlan | None:
+def memory_plan(cfg: TrainConfig, device: torch.device, pass_tokens: int | None = None, attention: str | None = None) -> MemoryPlan | None:
     """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
-    when it will not fit. None when the architecture can't be read offline. `pass_tokens`: a CPU's
-    passes per micro-batch (lora_tune.training.inputs.SpeedLevers)."""
+    when it will not fit. None when the architecture can't be read offline. `pass_tokens` and
+    `attention`: a CPU's passes per micro-batch and the attention implementation
+    (lora_tune.training.inputs.SpeedLevers)."""
     try:
         arch = load_architecture(cfg.base)
     except UserError as e:
         log.info("memory plan skipped: %s", e)
         return None
-    setup = auto_tiling(cfg, arch, replace(setup_from(cfg), pass_tokens=pass_tokens), device)
+    setup = auto_tiling(cfg, arch, replace(setup_from(cfg, attention), pass_tokens=pass_tokens), device)
     if cfg.gradient_checkpointing == "auto":
         setup = auto_checkpointing(cfg, arch, setup, device)
     planned = estimate(arch, setup)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from lora_tune.engines import registry as engines
+from lora_tune.models.tiled_mlp import tile_count
 from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.memory import Estimate, Setup, estimate
 from lora_tune.planner.speed import relative_speed
@@ -79,3 +80,41 @@ def search(arch: Architecture, base: Setup, gpu_bytes: int, cpu_bytes: int | Non
         return best[0], best[1], None
     nearest = min(scored, key=lambda se: se[1].per_device["total_bytes"])
     return None, None, nearest
+
+
+CONTEXT_STEP = 256  # `plan --max-context` answers in multiples of this many tokens per rank of a row
+
+
+def at_length(arch: Architecture, setup: Setup, tokens: int, tiled: bool) -> Setup:
+    """The setup at --max-seq-len `tokens`, every layer checkpointed (what auto chooses at long
+    rows), its MLPs tiled when `tiled` (and they are dense)."""
+    longer = replace(setup, max_seq_len=tokens, gradient_checkpointing=True, kept_layers=0, mlp_tiles=0)
+    if tiled and not arch.experts:
+        longer = replace(longer, mlp_tiles=tile_count(longer.row_tokens, arch.hidden))
+    return longer
+
+
+def longest_context(arch: Architecture, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, tiled: bool) -> Setup | None:
+    """The setup with the longest --max-seq-len (a multiple of CONTEXT_STEP per rank of the row)
+    whose plan fits; None when not even one step's worth does. Memory grows with the length (linearly,
+    quadratically where attention builds a mask), so a doubling then a bisection finds it."""
+    step = CONTEXT_STEP * setup.sequence_parallel
+
+    def fitting(n: int) -> bool:
+        return fits(estimate(arch, at_length(arch, setup, n * step, tiled)), gpu_bytes, cpu_bytes)
+
+    if not fitting(1):
+        return None
+    low, high = 1, 2
+    while fitting(high) and high < 1 << 20:
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fitting(middle) else (low, middle)
+    return at_length(arch, setup, low * step, tiled)
+
+
+def sequence_parallel_degrees(arch: Architecture, world: int) -> list[int]:
+    """The --sequence-parallel degrees `train` accepts on `world` ranks: divisors of the world that
+    divide the attention heads."""
+    return [n for n in range(1, world + 1) if world % n == 0 and arch.heads % n == 0]

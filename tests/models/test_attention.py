@@ -64,8 +64,8 @@ def test_unpacked_rows_and_generation_run_sdpa_itself():
     assert torch.equal(texts["sdpa"], texts[attention.NAME])
 
 
-def cfg(choice="auto", packing=True, compile=False):
-    return SimpleNamespace(attn_implementation=choice, packing=packing, compile=compile)
+def cfg(choice="auto", packing=True, compile=False, sequence_parallel=1):
+    return SimpleNamespace(attn_implementation=choice, packing=packing, compile=compile, sequence_parallel=sequence_parallel)
 
 
 def test_auto_picks_per_sample_attention_on_a_cpu_for_packed_eager_layers():
@@ -75,6 +75,9 @@ def test_auto_picks_per_sample_attention_on_a_cpu_for_packed_eager_layers():
     assert attention_implementation(cfg(compile=True), llama, cpu) == "sdpa"  # Python per sample would break the graph
     assert attention_implementation(cfg("sdpa"), llama, cpu) == "sdpa"
     assert attention_implementation(cfg(), MambaConfig(), cpu) == "eager"  # no attention interface: as before
+    # --sequence-parallel: the same attention, across the group's slices of every row
+    assert attention_implementation(cfg(sequence_parallel=2), llama, cpu) == "ulysses_sdpa_packed"
+    assert attention_implementation(cfg("eager", sequence_parallel=2), llama, cpu) == "ulysses_eager"
     with pytest.raises(UserError, match="sdpa_packed runs Python per sample, which --compile can't capture; use sdpa"):
         attention_implementation(cfg(attention.NAME, compile=True), llama, cpu)
     with pytest.raises(UserError, match="mamba does not call attention through transformers' interface; use sdpa"):

@@ -122,6 +122,7 @@ def test_the_default_chunk_keeps_logits_about_as_big_as_the_hidden_states_and_at
     # never below 128 tokens: fewer rows starve the head's matmul
     assert auto_chunk_size(3132, 512, 32000) == 128  # the CPU benchmark's micro-batch: Liger's rule says 64
     assert auto_chunk_size(10, 64, 512) == 128
+    assert auto_chunk_size(262144, 4096, 128256) == 2048  # Llama-3-8B, one 262k row: the rule's 8,192 capped
 
 
 def test_logit_scaling_models_fall_back_to_the_full_loss():
