@@ -9,6 +9,7 @@ import lora_tune.config
 import lora_tune.preflight
 from lora_tune.data.batching import PASS_TOKENS
 
+from families import build_family
 from helpers import fast_train_args, run_cli, single_error_line
 
 
@@ -54,3 +55,32 @@ def test_a_cpu_runs_large_micro_batches_in_passes_of_whole_rows():
     assert lora_tune.preflight.pass_tokens(cfg(), gpu) is None
     assert lora_tune.preflight.pass_tokens(cfg(zero=2), cpu) is None
     assert lora_tune.preflight.pass_tokens(cfg(objective="grpo"), cpu) is None
+
+
+def test_sequence_parallel_refusals_are_one_line_before_loading(tiny_model, data_files, tmp_path, capsys, monkeypatch):
+    """--sequence-parallel that can't run: one `error:` line naming the option and a fix, exit 2,
+    before the data stage (and so before any weight or process)."""
+
+    def no_data_stage(*a, **k):
+        raise AssertionError("--sequence-parallel must be checked before the data is tokenized")
+
+    monkeypatch.setattr(lora_tune.preflight, "prepare_data", no_data_stage)
+    data = data_files["alpaca"]
+    cases = [
+        (dict(sequence_parallel=2), "--sequence-parallel 2 splits rows across processes: use a sharding backend"),
+        (dict(sequence_parallel=2, zero=2, nproc=3), "--sequence-parallel 2 must divide the number of processes (3): use --nproc 2"),
+        (dict(sequence_parallel=2, zero=2, nproc=2, objective="dpo"), "--sequence-parallel trains --objective sft for now, not dpo"),
+        (dict(sequence_parallel=2, zero=2, nproc=2, loss_chunk_size=0), "--sequence-parallel needs the chunked loss"),
+        (dict(sequence_parallel=3, zero=2, nproc=3), "llama has 4 attention heads, which 3 ranks can't split evenly; use a divisor of 4"),
+    ]
+    for i, (options, expected) in enumerate(cases):
+        code, _, err = run_cli(fast_train_args(tiny_model, data, tmp_path / f"run{i}", **options), capsys)
+        assert code == 2 and expected in single_error_line(err), (options, err)
+        assert not (tmp_path / f"run{i}").exists()
+
+
+def test_tiled_mlp_on_refuses_a_mixture_of_experts(data_files, tmp_path, capsys):
+    mixtral = build_family("mixtral", tmp_path / "mixtral")
+    code, _, err = run_cli(fast_train_args(mixtral, data_files["alpaca"], tmp_path / "run", tiled_mlp="on"), capsys)
+    assert code == 2
+    assert "--tiled-mlp on: mixtral is a mixture of experts (" in single_error_line(err) and "use --tiled-mlp off" in err

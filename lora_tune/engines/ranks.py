@@ -106,7 +106,7 @@ def sequence_group(size: int) -> SequenceGroup | None:
     key = (world, size)
     if key not in _SEQUENCE_GROUPS:
         _SEQUENCE_GROUPS[key] = [torch.distributed.new_group(list(range(s, s + size))) for s in range(0, world, size)]
-    return SequenceGroup(_SEQUENCE_GROUPS[key][rank() // size], size, rank() % size)
+    return SequenceGroup(_SEQUENCE_GROUPS[key][rank() // size], size, rank() % size)  # fresh buffers per run
 
 
 def data_parallel(group: SequenceGroup | None) -> tuple[int, int]:

@@ -4,8 +4,8 @@ token, so each rank runs it on its own tokens; around attention an all-to-all tu
 heads" into "all tokens, my heads", each rank attends over the whole row for its 1/N of the heads,
 and a second all-to-all turns the result back. Activations per rank are 1/N of the row's.
 
-The all-to-all is `torch.distributed.all_to_all_single` with its backward (the same exchange of the
-gradients), so it runs on NCCL and gloo alike. With grouped-query attention whose
+The all-to-all is `torch.distributed.all_to_all_single` with its backward (the inverse exchange of
+the gradients), so it runs on NCCL and gloo alike. With grouped-query attention whose
 key/value heads don't divide by N, each key/value head is repeated for its query heads first (ALST
 does the same): every rank then holds the key/value heads its query heads read.
 
@@ -22,7 +22,7 @@ with the whole sequence: `plain_attention` switches the model back to `<inner>` 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,7 @@ class SequenceGroup:
     group: object  # a torch.distributed ProcessGroup
     size: int
     index: int
+    buffers: dict = field(default_factory=dict, compare=False)  # the all-to-all's send and receive buffers, per shape
 
 
 @dataclass(frozen=True)
@@ -80,29 +81,43 @@ def sample_ids(row_position_ids: torch.Tensor) -> torch.Tensor:
     return (row_position_ids == 0).cumsum(dim=1)
 
 
-class _AllToAll(torch.autograd.Function):
-    """Piece j of the [size, ...] input goes to rank j, piece i of the output came from rank i. Its
-    gradient travels the same way back: the same exchange of the output's gradient."""
+class _Exchange(torch.autograd.Function):
+    """The all-to-all: `x` cut into group.size pieces along `split`, piece j sent to rank j; the
+    pieces received (from ranks 0..size-1) joined along `join`. Its gradient travels back the
+    inverse way (cut along `join`, joined along `split`).
+
+    The pieces are copied into, and received in, two buffers kept by the group per shape and reused
+    by every exchange of the step (q, k, v and the attention output are the same size when the
+    key/value heads are repeated): gloo lets go of an exchange's tensors from its own threads, so
+    fresh buffers per exchange would pile up for a while (measured: the step's peak varied by a
+    layer's exchanges from run to run); reused ones cost the same two buffers every time."""
 
     @staticmethod
-    def forward(ctx, pieces: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        received = torch.empty_like(pieces)
-        torch.distributed.all_to_all_single(received, pieces, group=group)
-        return received
+    def forward(ctx, x: torch.Tensor, group: SequenceGroup, split: int, join: int) -> torch.Tensor:
+        ctx.group, ctx.split, ctx.join = group, split, join
+        return _all_to_all(x, group, split, join)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        returned = torch.empty_like(grad, memory_format=torch.contiguous_format)
-        torch.distributed.all_to_all_single(returned, grad.contiguous(), group=ctx.group)
-        return returned, None
+        return _all_to_all(grad, ctx.group, ctx.join, ctx.split), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group: SequenceGroup, split: int, join: int) -> torch.Tensor:
+    pieces = x.chunk(group.size, dim=split)
+    shape = (group.size, *pieces[0].shape)
+    key = (x.numel(), x.dtype, x.device)  # by size: q's pieces and the output's differ in shape only
+    if key not in group.buffers:
+        group.buffers[key] = (x.new_empty(x.numel()), x.new_empty(x.numel()))
+    send, received = (buffer.view(shape) for buffer in group.buffers[key])
+    for j, piece in enumerate(pieces):
+        send[j].copy_(piece)
+    torch.distributed.all_to_all_single(received, send, group=group.group)
+    return torch.cat(received.unbind(0), dim=join)
 
 
 def _exchange(x: torch.Tensor, group: SequenceGroup, split: int, join: int) -> torch.Tensor:
-    """The all-to-all: `x` cut into group.size pieces along `split`, piece j sent to rank j; the
-    pieces received (from ranks 0..size-1) joined along `join`. Differentiable."""
-    received = _AllToAll.apply(torch.stack(x.chunk(group.size, dim=split)).contiguous(), group.group)
-    return torch.cat(received.unbind(0), dim=join)
+    """Differentiable all-to-all (`_Exchange`)."""
+    return _Exchange.apply(x, group, split, join)
 
 
 def _per_sample_sdpa(query, key, value, ids, dropout: float, scaling) -> torch.Tensor:

@@ -278,21 +278,20 @@ def recomputed_layers(arch: Architecture, setup: Setup) -> int:
 
 
 def transient_bytes(arch: Architecture, setup: Setup) -> int:
-    """Working memory inside one layer on top of what it saves: one MLP tile's activations and their
-    gradients (--tiled-mlp), and sequence parallelism's all-to-all buffers: for q, k, v and the
-    attention output, the pieces sent, those received and the joined tensor, in the compute dtype,
-    for a layer's forward and its backward at once (gloo releases a finished exchange's tensors
-    from its own threads, so a layer's exchanges can overlap: measured on a CPU, one 8,192-token row
-    on 2 ranks, the step's peak varied between 33 and 57 MiB from run to run, and this term is the
-    upper end's)."""
+    """Working memory inside one layer on top of what it saves: one MLP tile's recomputed activations
+    (--tiled-mlp; measured on a CPU the tiled step peaks up to a quarter below this plan: it is
+    conservative), and sequence parallelism's all-to-all: a send and a receive buffer per
+    size exchanged (q and the attention output; k and v when their heads are not repeated), kept for
+    the run (lora_tune.models.sequence_parallel), and the joined tensor being made, in the compute dtype."""
     e = ELEMENT[setup.precision]
     extra = 0
     if setup.mlp_tiles > 1:
         _, mlp = layer_terms_per_token(arch, setup)
-        extra += int(2 * mlp * math.ceil(setup.tokens / setup.mlp_tiles))
+        extra += int(mlp * math.ceil(setup.tokens / setup.mlp_tiles))
     if setup.sequence_parallel > 1:
         kv_heads = arch.kv_heads if arch.kv_heads % setup.sequence_parallel == 0 else arch.heads
-        extra += 2 * 3 * e * (2 * arch.heads + 2 * kv_heads) * arch.head_dim * setup.tokens
+        sizes = {e * arch.heads * arch.head_dim * setup.tokens, e * kv_heads * arch.head_dim * setup.tokens}
+        extra += 2 * sum(sizes) + max(sizes)
     return extra
 
 

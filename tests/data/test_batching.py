@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lora_tune.config import TrainConfig
-from lora_tune.data.batching import IGNORE, MicroBatches, collate, pack_best_fit_decreasing, passes
+from lora_tune.data.batching import IGNORE, MicroBatches, collate, pack_best_fit_decreasing, passes, shard_rows
 from lora_tune.data.prepare import Sample
 from lora_tune.models.adapter import add_lora
 from lora_tune.models.loading import load_base_model
@@ -153,3 +153,32 @@ def test_a_packed_sample_never_sees_its_neighbours(lora_model):
     with torch.no_grad():
         alone = peft_model(input_ids=torch.tensor([data[2].input_ids])).logits[0]
     torch.testing.assert_close(base[n0 + n1 :], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_sequence_parallel_slices_are_the_whole_row_computed_first(packed):
+    """Each rank's slice of a row (--sequence-parallel): the width padded to a multiple of the group,
+    positions and shifted labels computed on the whole row, the whole row's positions carried, and
+    the slices' counts adding up to the micro-batch's."""
+    a = Sample([1, 11, 12, 2], [IGNORE, 11, 12, 2])
+    b = Sample([1, 21, 2], [IGNORE, IGNORE, 2])
+    c = Sample([1, 31], [IGNORE, 31])
+    rows = [[a, b], [c]] if packed else [[a], [b], [c]]
+    whole = collate(rows, pad_id=0, packed=packed)
+    width = whole.inputs["input_ids"].shape[1]  # 7 packed, 4 padded
+    parts = [shard_rows(whole, 3, i, pad_id=0) for i in range(3)]
+    padded = -(-width // 3) * 3
+    ids = torch.cat([p.inputs["input_ids"] for p in parts], dim=1)
+    assert ids.shape[1] == padded and torch.equal(ids[:, :width], whole.inputs["input_ids"]) and (ids[:, width:] == 0).all()
+    positions = torch.cat([p.inputs["position_ids"] for p in parts], dim=1)
+    assert all(torch.equal(p.inputs["row_position_ids"], positions) for p in parts)
+    if packed:
+        assert positions[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4] and positions[1].tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6]
+    else:  # a row is one sample, its padding after it
+        assert positions.tolist() == [list(range(padded))] * 3
+    shifted = torch.cat([p.inputs["shifted_labels"] for p in parts], dim=1)
+    expected = torch.full_like(shifted, IGNORE)
+    expected[:, : width - 1] = whole.inputs["labels"][:, 1:]
+    assert torch.equal(shifted, expected)  # position t holds the label of token t + 1, across slice boundaries
+    assert sum(p.label_tokens for p in parts) == whole.label_tokens == sum(p.counts["label_tokens"] for p in parts)
+    assert sum(p.tokens for p in parts) == whole.tokens == 9
