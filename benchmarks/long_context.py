@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+SHAPE = dict(num_hidden_layers=4, num_key_value_heads=1, intermediate_size=224, max_position_embeddings=1 << 20)  # build_tiny_llama's
 CONFIGS = [("one process", 1, False), ("one process, --tiled-mlp", 1, True), ("--sequence-parallel 2", 2, False),
            ("--sequence-parallel 2 --tiled-mlp", 2, True)]  # fmt: skip
 
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--base", help="a tiny model folder (default: built in a temporary folder)")
+    parser.add_argument("--packed-only", action="store_true", help="leave out the row of one document")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--tiled", action="store_true", help=argparse.SUPPRESS)
@@ -132,10 +134,10 @@ def main() -> None:
         if base is None:
             from lora_tune.models.tiny.model import build_tiny_llama
 
-            shape = dict(num_hidden_layers=4, num_key_value_heads=1, intermediate_size=224, max_position_embeddings=1 << 20)
-            base = str(build_tiny_llama(workdir / "base", **shape))
+            base = str(build_tiny_llama(workdir / "base", **SHAPE))
         results = {}
-        for documents in dict.fromkeys((args.documents, 1)):  # packed documents, then one long document
+        layouts = (args.documents,) if args.packed_only else (args.documents, 1)
+        for documents in dict.fromkeys(layouts):  # packed documents, then one long document
             for name, sp, tiled in CONFIGS:
                 key = f"{name}, {documents} document{'s' if documents > 1 else ''}"
                 if sp == 1:

@@ -29,6 +29,7 @@ from lora_tune.errors import UserError
 from lora_tune.models import sequence_parallel, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
 from lora_tune.models.aliases import resolve_base
+from lora_tune.models.attention import quadratic_attention_warning
 from lora_tune.models.head import chunking_refusal
 from lora_tune.models.loading import (
     attention_implementation,
@@ -144,6 +145,9 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     compiled = ""
     if cfg.compile:
         compiled = "; decoder layers " + ("" if chunk == 0 else "and the loss's chunk step ") + "compiled (regional torch.compile)"
+    warning = quadratic_attention_warning(attention, cfg.max_seq_len, packing)
+    if warning:
+        log.warning("warning: %s", warning)
     passes = pass_tokens(cfg, device)
     split = f"; micro-batches in passes of up to {passes} tokens" if passes else ""
     log.info("attention: %s; packing %s; loss %s%s%s", attention, "on" if packing else "off", chunks, compiled, split)

@@ -89,3 +89,27 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
 
 AttentionInterface.register(NAME, packed_sdpa_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+# Longest rows before a quadratic attention cost is worth a line: eager keeps [heads x tokens x
+# tokens] scores per layer; masked SDPA gets a [tokens x tokens] mask per row from transformers (1 GiB
+# at 32k tokens, built from three such grids) and its flash kernel can't take a mask.
+EAGER_WARN_TOKENS = 8192
+MASK_WARN_TOKENS = 32768
+
+
+def quadratic_attention_warning(attention: str, row_tokens: int, packing: bool) -> str | None:
+    """The one line saying the chosen attention costs memory quadratic in the row at this length, or None."""
+    if attention == "eager" and row_tokens >= EAGER_WARN_TOKENS:
+        return (
+            f"eager attention keeps every layer's [heads x {row_tokens:,} x {row_tokens:,}] scores: use sdpa or flash_attention_2 "
+            "(and --sequence-parallel for rows longer than one device holds)"
+        )
+    if attention in ("sdpa", NAME) and packing and row_tokens >= MASK_WARN_TOKENS:
+        gib = 3 * row_tokens**2 / 2**30
+        return (
+            f"{attention} over packed rows of {row_tokens:,} tokens gets a [tokens x tokens] mask from transformers ({gib:.0f} GiB "
+            "while it is built, per row): use --attn-implementation flash_attention_2 on a GPU, or --sequence-parallel, whose "
+            "attention needs no mask"
+        )
+    return None

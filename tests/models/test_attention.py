@@ -82,3 +82,14 @@ def test_auto_picks_per_sample_attention_on_a_cpu_for_packed_eager_layers():
         attention_implementation(cfg(attention.NAME, compile=True), llama, cpu)
     with pytest.raises(UserError, match="mamba does not call attention through transformers' interface; use sdpa"):
         attention_implementation(cfg(attention.NAME), MambaConfig(), cpu)
+
+
+def test_attention_quadratic_in_the_row_is_said_in_one_line():
+    assert attention.quadratic_attention_warning("sdpa_packed", 16384, True) is None
+    line = attention.quadratic_attention_warning("sdpa_packed", 65536, True)
+    assert "[tokens x tokens] mask" in line and "(12 GiB while it is built, per row)" in line and "--sequence-parallel" in line
+    assert attention.quadratic_attention_warning("sdpa", 65536, False) is None  # unpacked rows: SDPA's causal kernel, no mask
+    eager = attention.quadratic_attention_warning("eager", 8192, False)
+    assert "eager attention keeps every layer's [heads x 8,192 x 8,192] scores" in eager
+    assert attention.quadratic_attention_warning("ulysses_sdpa_packed", 1 << 20, True) is None  # sequence parallel: no mask
+    assert attention.quadratic_attention_warning("flash_attention_2", 1 << 20, True) is None
