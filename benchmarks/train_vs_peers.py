@@ -157,6 +157,7 @@ argv = ["train", "--base", sys.argv[1], "--data", sys.argv[2], "--output-dir", s
         "--alpha", "32", "--micro-batch-size", str(cfg["micro_batch_size"]), "--max-seq-len", str(cfg["max_seq_len"]), "--lr", "2e-4",
         "--epochs", "1", "--seed", str(cfg["seed"]), "--logging-steps", "1"] + (["--max-steps", str(cfg["max_steps"])] if cfg["max_steps"] else [])
 argv += (["--compile"] if cfg.get("compile") else []) + (["--gradient-checkpointing", cfg["checkpointing"]] if cfg.get("checkpointing") else [])
+argv += ["--tiled-mlp", cfg["tiled_mlp"]] if cfg.get("tiled_mlp") else []
 t = time.perf_counter()
 code = main(argv)
 seconds = time.perf_counter() - t
@@ -179,6 +180,9 @@ ROUTES = {
     # CPU, with no device budget, auto recomputes every layer but the last, which costs no more memory).
     "lora-tune train --gradient-checkpointing on": (LORA_TUNE, {"checkpointing": "on"}),
     "lora-tune train --compile --gradient-checkpointing on": (LORA_TUNE, {"compile": True, "checkpointing": "on"}),
+    # Long rows (benchmarks/long_context_gpu.sh): every layer checkpointed, the MLPs tiled or not.
+    "lora-tune train --gradient-checkpointing on --tiled-mlp on": (LORA_TUNE, {"checkpointing": "on", "tiled_mlp": "on"}),
+    "lora-tune train --gradient-checkpointing on --tiled-mlp off": (LORA_TUNE, {"checkpointing": "on", "tiled_mlp": "off"}),
     "HF Trainer + PEFT (padded)": (HF_TRAINER, {}),
     # The same optimizer steps with a micro-batch's rows run one at a time (gradient accumulation): the
     # peer's counterpart of lora-tune's passes on a CPU (lora_tune.data.batching.passes).

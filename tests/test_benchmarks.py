@@ -103,3 +103,17 @@ def test_train_vs_peers_repeats_routes_round_robin_and_reports_medians(tmp_path)
             assert result[key] == sorted(r[key] for r in repeats)[1]  # the median of three
     each = [line for line in proc.stdout.splitlines() if line.startswith("  each repeat:")]
     assert len(each) == 1 and each[0].count("x") == 9  # training, per step and peak RSS ratios, three each
+
+
+def test_long_context_gpu_script_runs_both_routes_on_a_tiny_shape(tmp_path):
+    env = {**os.environ, "LONG_CONTEXT_TINY": "1", "LONG_CONTEXT_OUT": str(tmp_path / "lc"), "LONG_CONTEXT_WORK": str(tmp_path / "work")}
+    proc = subprocess.run(["bash", "benchmarks/long_context_gpu.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    runs = [json.loads(line) for line in (tmp_path / "lc.jsonl").read_text().splitlines()]
+    assert [(r["precision"], r["seq"]) for r in runs] == [("4bit", 2048)]
+    assert set(runs[0]["results"]) == {
+        "lora-tune train --gradient-checkpointing on --tiled-mlp off",
+        "lora-tune train --gradient-checkpointing on --tiled-mlp on",
+    }
+    for result in runs[0]["results"].values():
+        assert result["tokens"] > 0 and result["losses"]
