@@ -38,6 +38,8 @@ RUNS = {
     "zero3-sp-offload": dict(zero=3, offload="cpu"),
     "fsdp-sp-eager-unpacked": dict(backend="fsdp", attn_implementation="eager", packing=False),
 }
+# QLoRA (bf16 compute on a 4-bit base): the first step's loss, before any update, against one process.
+QLORA = dict(precision="4bit", optim="adamw_8bit", max_steps=1, micro_batch_size=2, grad_accum=2, save_steps=1000)
 # What each run is compared with in one process: the same options without a backend.
 ONE_PROCESS = {name: {k: v for k, v in kw.items() if k in ("attn_implementation", "packing")} for name, kw in RUNS.items()}
 
@@ -55,6 +57,7 @@ def runs(tmp_path_factory):
 
     for name, kw in RUNS.items():
         add(name, fast_train_args(base, data, root / name, **ARGS, **kw, sequence_parallel=2))
+    add("fsdp-sp-4bit", fast_train_args(base, data, root / "fsdp-sp-4bit", **QLORA, backend="fsdp", sequence_parallel=2))
     names.append(None)
     todo.append({"copy": [str(root / "zero2-sp" / "checkpoint-2"), str(root / "zero2-sp-resumed")], "files": ["lora_tune_config.yaml"]})
     add("zero2-sp-resumed", fast_train_args(base, data, root / "zero2-sp-resumed", **ARGS, zero=2, sequence_parallel=2, resume=True))
@@ -135,3 +138,13 @@ def test_two_nodes_over_loopback_are_one_node(name, runs):
     assert a.keys() == b.keys()
     for key in a:
         assert float((a[key] - b[key]).norm() / a[key].norm()) <= 1e-6, key
+
+
+def test_a_4bit_base_split_across_ranks_trains_the_one_process_loss(runs, capsys, tmp_path):
+    out, err = run_of(runs, "fsdp-sp-4bit")
+    assert "attention: ulysses_" in err and "fsdp backend" in err
+    one = tmp_path / "one"
+    code, _, one_err = run_cli(fast_train_args(runs["base"], runs["data"], one, **QLORA), capsys)
+    assert code == 0, one_err
+    # bf16 compute: within a fraction of one bf16 ulp of the loss (2^-8 relative)
+    assert step_losses(out)[0] == pytest.approx(step_losses(one)[0], rel=2e-4)
