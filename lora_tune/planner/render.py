@@ -18,6 +18,8 @@ OOM_ADVICE = [
     "--optim adamw_8bit (2 B instead of 8 B of optimizer state per LoRA parameter)",
     "--precision 4bit (NF4 base: ~0.52 B per weight instead of 2)",
     "ZeRO-3 with CPU offload across several GPUs",
+    "--tiled-mlp on (long rows: the MLP over tiles of the sequence)",
+    "--sequence-parallel N across N GPUs (each holds 1/N of every row)",
     "a shorter --max-seq-len",
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation)",
 ]

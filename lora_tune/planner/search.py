@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import product
 
 from lora_tune.engines import registry as engines
+from lora_tune.models.sequence_parallel import implementation as sequence_parallel_attention_name
 from lora_tune.models.tiled_mlp import tile_count
 from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.memory import Estimate, Setup, estimate
@@ -30,22 +32,25 @@ def candidates(base: Setup, arch: Architecture, gpu_bytes: int):
             continue  # one process can't use several GPUs
         if base.world == 1 and cell.spec.multi_process and cell.offload == "none":
             continue  # sharding over one GPU only matters with offload
-        for ckpt, act_offload in ((False, False), (True, False), (True, True)):
-            for mbs in micro_batches:
-                setup = replace(
-                    base,
-                    precision=cell.precision,
-                    backend=cell.backend,
-                    zero=cell.zero,
-                    offload=cell.offload,
-                    gradient_checkpointing=ckpt,
-                    kept_layers=0,
-                    activation_offload=act_offload,
-                    micro_batch_size=mbs,
-                )
-                yield setup
-                if ckpt and not act_offload:  # what --gradient-checkpointing auto would choose on this GPU
-                    yield fewest_checkpointed(arch, setup, int(BUDGET_SHARE * gpu_bytes))
+        # Rows split over ranks (sequence parallel) where the model allows: SFT, several processes.
+        degrees = sequence_parallel_degrees(arch, base.world) if cell.spec.multi_process and base.objective == "sft" else [1]
+        for (ckpt, act_offload), mbs, degree in product(((False, False), (True, False), (True, True)), micro_batches, degrees):
+            setup = replace(
+                base,
+                precision=cell.precision,
+                backend=cell.backend,
+                zero=cell.zero,
+                offload=cell.offload,
+                gradient_checkpointing=ckpt,
+                kept_layers=0,
+                activation_offload=act_offload,
+                micro_batch_size=mbs,
+                sequence_parallel=degree,
+                attention=sequence_parallel_attention(base.attention, degree),
+            )
+            yield setup
+            if ckpt and not act_offload:  # what --gradient-checkpointing auto would choose on this GPU
+                yield fewest_checkpointed(arch, setup, int(BUDGET_SHARE * gpu_bytes))
 
 
 BUDGET_SHARE = 0.9  # --gradient-checkpointing auto plans for the GPU's memory less 10% unless given a budget
@@ -118,3 +123,8 @@ def sequence_parallel_degrees(arch: Architecture, world: int) -> list[int]:
     """The --sequence-parallel degrees `train` accepts on `world` ranks: divisors of the world that
     divide the attention heads."""
     return [n for n in range(1, world + 1) if world % n == 0 and arch.heads % n == 0]
+
+
+def sequence_parallel_attention(attention: str, degree: int) -> str:
+    """The attention a setup runs with rows split over `degree` ranks."""
+    return sequence_parallel_attention_name(attention.removeprefix("ulysses_"), degree)

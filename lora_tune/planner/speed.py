@@ -12,6 +12,11 @@ SLOWDOWN = {
     "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 2.5, "8bit": 1.6, "4bit": 1.3},
     "activation_offload": {False: 1.0, True: 1.1},  # a device-to-host copy per layer in forward, back in backward
 }
+# Sequence parallelism: four all-to-alls per layer in forward (q, k, v, output), four in backward, and
+# again in a recomputed forward; ALST reports ~10-15% at 8 GPUs within a node. Tiled MLPs: one more
+# MLP forward, about a fifth of a layer's forward + backward.
+SEQUENCE_PARALLEL_COST = 1.15
+TILED_MLP_COST = 1.07
 RECOMPUTE = 1 / 3  # checkpointing every layer: one more forward, a third of forward + backward
 
 
@@ -31,6 +36,8 @@ def relative_speed(setup: Setup, layers: int = 1) -> float:
         * checkpointing_cost(setup, layers)
         * engines.BACKENDS[setup.backend].slowdown(setup.zero, setup.offload)
         * SLOWDOWN["activation_offload"][setup.activation_offload]
+        * (SEQUENCE_PARALLEL_COST if setup.sequence_parallel > 1 else 1.0)
+        * (TILED_MLP_COST if setup.mlp_tiles > 1 else 1.0)
     )
     return setup.world * utilisation / cost
 

@@ -106,3 +106,14 @@ def test_auto_for_grpo_keeps_each_step_s_completions_and_gives_a_command_train_t
     assert cfg.objective == "grpo" and cfg.max_new_tokens == tokens
     assert cfg.micro_batch_size * cfg.grad_accum == completions
     assert cfg.micro_batch_size < micro_batch if gpu == "rtx4090" else cfg.micro_batch_size == 8
+
+
+def test_auto_splits_rows_across_gpus_only_when_nothing_else_fits(capsys):
+    """--auto searches --sequence-parallel too: at 4k tokens the fastest setup keeps rows whole (the
+    all-to-alls cost time); at 256k nothing fits 8 x 80 GB without splitting every row over them."""
+    argv = ["plan", "--base", "llama-8b", "--auto", "--gpus", "8", "--gpu-memory", "80GB", "--max-seq-len"]
+    code, out, _ = run_cli([*argv, "4096"], capsys)
+    assert code == 0 and "--sequence-parallel" not in out
+    code, out, _ = run_cli([*argv, "262144"], capsys)
+    assert code == 0 and "each row split over 8 ranks (sequence parallel)" in out and "--sequence-parallel 8" in out
+    assert "fits in 74.5 GiB per GPU" in out
