@@ -64,8 +64,6 @@ def measure(base: str, tokens: int, documents: int, sp: int, tiled: bool) -> dic
     from lora_tune.planner.memory import Setup, activation_bytes, logits_bytes
     from lora_tune.training.objectives.sft import CausalLMLoss
 
-    if sp > 1:
-        torch.distributed.init_process_group("gloo")
     arch = load_architecture(base)
     tiles = tile_count(-(-tokens // sp), arch.hidden) if tiled else 0
     cfg = TrainConfig(base=base, data="d", output_dir="o", precision="fp32", rank=8, dropout=0.0, sequence_parallel=sp)
@@ -92,25 +90,24 @@ def measure(base: str, tokens: int, documents: int, sp: int, tiled: bool) -> dic
     planned = activation_bytes(arch, setup)[1] + logits_bytes(arch, setup)[1]
     if sp > 1:
         ranks.release_sequence_groups()
-        torch.distributed.destroy_process_group()
     return {"measured_bytes": peak.bytes + kept, "planned_bytes": planned, "tiles": tiles}
 
 
-def on_ranks(base: str, tokens: int, documents: int, sp: int, tiled: bool, workdir: Path) -> dict:
-    """The configuration on `sp` torchrun ranks; the larger rank's peak."""
+def on_ranks(base: str, tokens: int, documents: int, sp: int, workdir: Path) -> dict[bool, dict]:
+    """The configurations on `sp` torchrun ranks (untiled, then tiled, in one job); per configuration
+    the larger rank's peak."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = workdir / f"rank-figures-{sp}-{int(tiled)}"
+    out = workdir / f"rank-figures-{sp}-{documents}"
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={sp}", "--master_addr=127.0.0.1", f"--master_port={port}",
             __file__, "--worker", str(out), "--base", base, "--tokens", str(tokens), "--documents", str(documents)]  # fmt: skip
     argv += ["--sp", str(sp)]
-    argv += ["--tiled"] if tiled else []
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         raise SystemExit(proc.stderr[-4000:])
     figures = [json.loads((out.parent / f"{out.name}.rank{r}").read_text()) for r in range(sp)]
-    return max(figures, key=lambda f: f["measured_bytes"])
+    return {tiled: max((f[str(tiled)] for f in figures), key=lambda f: f["measured_bytes"]) for tiled in (False, True)}
 
 
 def main() -> None:
@@ -119,13 +116,14 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=4)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--base", help="a tiny model folder (default: built in a temporary folder)")
-    parser.add_argument("--packed-only", action="store_true", help="leave out the row of one document")
+    parser.add_argument("--suite", action="store_true", help="the test suite's check: the packed row only, one process untiled")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--sp", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--tiled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:  # one torchrun rank
-        figures = measure(args.base, args.tokens, args.documents, args.sp, args.tiled)
+    if args.worker:  # one torchrun rank: untiled, then tiled
+        torch.distributed.init_process_group("gloo")
+        figures = {str(tiled): measure(args.base, args.tokens, args.documents, args.sp, tiled) for tiled in (False, True)}
+        torch.distributed.destroy_process_group()
         Path(f"{args.worker}.rank{os.environ['RANK']}").write_text(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -136,14 +134,15 @@ def main() -> None:
 
             base = str(build_tiny_llama(workdir / "base", **SHAPE))
         results = {}
-        layouts = (args.documents,) if args.packed_only else (args.documents, 1)
+        layouts = (args.documents,) if args.suite else (args.documents, 1)
         for documents in dict.fromkeys(layouts):  # packed documents, then one long document
+            split = on_ranks(base, args.tokens, documents, 2, workdir)
             for name, sp, tiled in CONFIGS:
                 key = f"{name}, {documents} document{'s' if documents > 1 else ''}"
-                if sp == 1:
+                if sp > 1:
+                    results[key] = split[tiled]
+                elif not (tiled and args.suite):
                     results[key] = measure(base, args.tokens, documents, sp, tiled)
-                else:
-                    results[key] = on_ranks(base, args.tokens, documents, sp, tiled, workdir)
     print(f"one training step over one row of {args.tokens:,} tokens, tiny Llama (hidden 64, MLP 224, 4 layers), fp32, LoRA r8, "
           "every layer checkpointed")  # fmt: skip
     print("| configuration | peak tensor MiB (per rank) | vs one process | planned MiB | planned / measured |")

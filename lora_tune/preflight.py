@@ -145,6 +145,8 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     compiled = ""
     if cfg.compile:
         compiled = "; decoder layers " + ("" if chunk == 0 else "and the loss's chunk step ") + "compiled (regional torch.compile)"
+    if attention == "ulysses_flash_attention_2":  # its variable-length path is built, but only CPUs ran it so far
+        log.warning("warning: flash_attention_2 under --sequence-parallel has not been verified on a GPU yet; sdpa is (pass it to be sure)")
     warning = quadratic_attention_warning(attention, cfg.max_seq_len, packing)
     if warning:
         log.warning("warning: %s", warning)

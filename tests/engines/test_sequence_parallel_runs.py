@@ -57,7 +57,9 @@ def runs(tmp_path_factory):
 
     for name, kw in RUNS.items():
         add(name, fast_train_args(base, data, root / name, **ARGS, **kw, sequence_parallel=2))
-    add("fsdp-sp-4bit", fast_train_args(base, data, root / "fsdp-sp-4bit", **QLORA, backend="fsdp", sequence_parallel=2))
+    # Two key/value heads for 2 ranks: each rank takes one, with its two query heads (no repeat).
+    two_kv_heads = build_tiny_llama(root / "base-2kv", num_key_value_heads=2)
+    add("fsdp-sp-4bit", fast_train_args(two_kv_heads, data, root / "fsdp-sp-4bit", **QLORA, backend="fsdp", sequence_parallel=2))
     names.append(None)
     todo.append({"copy": [str(root / "zero2-sp" / "checkpoint-2"), str(root / "zero2-sp-resumed")], "files": ["lora_tune_config.yaml"]})
     add("zero2-sp-resumed", fast_train_args(base, data, root / "zero2-sp-resumed", **ARGS, zero=2, sequence_parallel=2, resume=True))
@@ -73,7 +75,7 @@ def runs(tmp_path_factory):
     node_results = run_jobs(two_nodes, nodes, nproc=1, nodes=2)
     outcome = {name: (r["code"], root / name) for name, r in zip(names, results) if name}
     outcome.update({f"nodes-{name}": (r["code"], nodes / name) for name, r in zip(("zero2-sp", "zero2-dp"), node_results)})
-    return {"root": root, "base": base, "data": data, "runs": outcome}
+    return {"root": root, "base": base, "two_kv_heads": two_kv_heads, "data": data, "runs": outcome}
 
 
 def run_of(runs, name):
@@ -141,10 +143,11 @@ def test_two_nodes_over_loopback_are_one_node(name, runs):
 
 
 def test_a_4bit_base_split_across_ranks_trains_the_one_process_loss(runs, capsys, tmp_path):
+    """QLoRA under FSDP2 with the key/value heads split between the ranks, not repeated."""
     out, err = run_of(runs, "fsdp-sp-4bit")
     assert "attention: ulysses_" in err and "fsdp backend" in err
     one = tmp_path / "one"
-    code, _, one_err = run_cli(fast_train_args(runs["base"], runs["data"], one, **QLORA), capsys)
+    code, _, one_err = run_cli(fast_train_args(runs["two_kv_heads"], runs["data"], one, **QLORA), capsys)
     assert code == 0, one_err
     # bf16 compute: within a fraction of one bf16 ulp of the loss (2^-8 relative)
     assert step_losses(out)[0] == pytest.approx(step_losses(one)[0], rel=2e-4)

@@ -68,7 +68,7 @@ def test_attention_kernels_on_a_cpu():
     config, cpu = LlamaConfig(), torch.device("cpu")
 
     def choice(name, packing=True):
-        return SimpleNamespace(attn_implementation=name, packing=packing, compile=False)
+        return SimpleNamespace(attn_implementation=name, packing=packing, compile=False, sequence_parallel=1)
 
     assert attention_implementation(choice("auto", packing=False), config, cpu) == "sdpa"
     assert attention_implementation(choice("eager"), config, cpu) == "eager"

@@ -30,7 +30,7 @@ def measured(tmp_path_factory):
     root = tmp_path_factory.mktemp("long-context")
     base = build_tiny_llama(root / "base", **long_context.SHAPE)
     out = root / "figures.json"
-    argv = [sys.executable, "benchmarks/long_context.py", "--tokens", str(TOKENS), "--base", str(base), "--json", str(out), "--packed-only"]
+    argv = [sys.executable, "benchmarks/long_context.py", "--tokens", str(TOKENS), "--base", str(base), "--json", str(out), "--suite"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return base, {key.rsplit(", ", 1)[0]: r for key, r in json.loads(out.read_text())["results"].items()}
