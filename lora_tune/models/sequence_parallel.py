@@ -86,7 +86,7 @@ class _Exchange(torch.autograd.Function):
     pieces received (from ranks 0..size-1) joined along `join`. Its gradient travels back the
     inverse way (cut along `join`, joined along `split`).
 
-    The pieces are copied into, and received in, two buffers kept by the group per shape and reused
+    The pieces are copied into, and received in, two buffers kept by the group per size and reused
     by every exchange of the step (q, k, v and the attention output are the same size when the
     key/value heads are repeated): gloo lets go of an exchange's tensors from its own threads, so
     fresh buffers per exchange would pile up for a while (measured: the step's peak varied by a
