@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 shape=8b; steps=3; seqs="65536 131072"; out=benchmarks/results/long_context_gpu
-if [ -n "${LONG_CONTEXT_TINY:-}" ]; then shape=tiny; steps=2; seqs="2048"; out="${LONG_CONTEXT_OUT:-$(mktemp -d)/long_context_gpu}"; fi
+if [ -n "${LONG_CONTEXT_TINY:-}" ]; then shape=tiny; steps=2; seqs="1024"; out="${LONG_CONTEXT_OUT:-$(mktemp -d)/long_context_gpu}"; fi
 work="${LONG_CONTEXT_WORK:-$(mktemp -d)}"; mkdir -p "$work"
 routes=("lora-tune train --gradient-checkpointing on --tiled-mlp off" "lora-tune train --gradient-checkpointing on --tiled-mlp on")
 rm -f "$out.jsonl"

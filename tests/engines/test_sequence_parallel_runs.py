@@ -1,7 +1,7 @@
 """--sequence-parallel through the real CLI: 2 gloo ranks sharing every packed row, against one process.
 
 A tiny Llama with one key/value head (fewer than the 2 ranks: each rank gets its query heads' copy)
-trains 4 steps on packed rows of several documents. The ranks of a sequence-parallel group train one
+trains 3 steps on packed rows of several documents. The ranks of a sequence-parallel group train one
 share of the micro-batches together, so `--nproc 2 --sequence-parallel 2` sees the micro-batches one
 process sees: the losses per step and the adapter must agree to fp32 rounding. The same runs are
 repeated on two torchrun "nodes" of one rank each over loopback (the README's multi-node command),
@@ -32,7 +32,7 @@ pytest.importorskip("deepspeed")
 DOCUMENTS = [
     {**row, "output": row["output"] + " " + " ".join(f"step {j}: {i * j}." for j in range(i % 5 + 1))} for i, row in enumerate(ALPACA * 2)
 ]
-ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2, dropout=0.0, gradient_checkpointing="on", lr=2e-2)
+ARGS = dict(max_steps=3, save_steps=2, micro_batch_size=2, grad_accum=2, dropout=0.0, gradient_checkpointing="on", lr=2e-2)
 RUNS = {
     "zero2-sp": dict(zero=2),
     "zero3-sp-offload": dict(zero=3, offload="cpu"),
@@ -105,7 +105,7 @@ def test_two_ranks_sharing_every_row_are_one_process(name, runs, capsys, tmp_pat
     assert "attention: ulysses_" in err
     metrics, expected = one_process(runs, name, capsys, tmp_path)
     losses = [r["loss"] for r in metrics if "loss" in r]
-    assert len(losses) == 4 and losses[-1] < losses[0]  # it trained
+    assert len(losses) == 3 and losses[-1] < losses[0]  # it trained
     assert step_losses(out) == pytest.approx(losses, rel=1e-5)
     # Each rank counts the real tokens of its slices: together, the micro-batches' tokens once.
     assert [r["tokens_seen"] for r in read_metrics(out) if "loss" in r] == [r["tokens_seen"] for r in metrics if "loss" in r]
@@ -123,7 +123,7 @@ def test_a_sequence_parallel_run_resumes_bit_for_bit(runs):
     resumed, err = run_of(runs, "zero2-sp-resumed")
     assert "resumed from" in err
     assert_bit_identical(adapter_tensors(out), adapter_tensors(resumed))
-    assert step_losses(resumed)[-2:] == step_losses(out)[-2:]
+    assert step_losses(resumed)[-1:] == step_losses(out)[-1:]
 
 
 @pytest.mark.parametrize("name", ["zero2-sp", "zero2-dp"])
