@@ -72,6 +72,12 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
     if ids is None:
         shaped = {"dropout": dropout, "scaling": scaling, "is_causal": is_causal, "position_bias": position_bias}
         return sdpa_attention_forward(module, query, key, value, attention_mask, **shaped, **kwargs)
+    return per_sample_sdpa(query, key, value, ids, dropout, scaling).contiguous(), None  # [rows, tokens, heads, head_dim], as sdpa returns
+
+
+def per_sample_sdpa(query, key, value, ids, dropout: float, scaling) -> torch.Tensor:
+    """SDPA's causal kernel once per sample of each row, no mask: [rows, tokens, heads, head_dim]
+    from [rows, heads, tokens, head_dim]; `ids` [rows, tokens] says which sample each position is."""
     gqa = query.shape[1] != key.shape[1]
     rows = []
     # unbind / split rather than slicing: their backward concatenates the gradients once, where each
@@ -84,7 +90,7 @@ def packed_sdpa_forward(module, query, key, value, attention_mask, dropout=0.0, 
             for qs, ks, vs in pieces
         ]
         rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows).transpose(1, 2).contiguous(), None  # [rows, tokens, heads, head_dim], as sdpa returns
+    return torch.cat(rows).transpose(1, 2)
 
 
 AttentionInterface.register(NAME, packed_sdpa_forward)

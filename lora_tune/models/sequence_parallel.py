@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from lora_tune.models.attention import per_sample_sdpa
 from lora_tune.models.structure import decoder_body
 
 PREFIX = "ulysses_"
@@ -120,21 +121,6 @@ def _exchange(x: torch.Tensor, group: SequenceGroup, split: int, join: int) -> t
     return _Exchange.apply(x, group, split, join)
 
 
-def _per_sample_sdpa(query, key, value, ids, dropout: float, scaling) -> torch.Tensor:
-    """SDPA's causal kernel once per sample of each row (no [tokens x tokens] mask): [rows, tokens, heads, dim]."""
-    gqa = query.shape[1] != key.shape[1]
-    rows = []
-    for row_ids, q, k, v in zip(ids.unbind(0), query.unbind(0), key.unbind(0), value.unbind(0), strict=True):
-        lengths = torch.unique_consecutive(row_ids, return_counts=True)[1].tolist()
-        pieces = zip(q.split(lengths, dim=1), k.split(lengths, dim=1), v.split(lengths, dim=1), strict=True)
-        outputs = [
-            F.scaled_dot_product_attention(qs[None], ks[None], vs[None], dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa)
-            for qs, ks, vs in pieces
-        ]
-        rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows).transpose(1, 2)
-
-
 def _eager(query, key, value, ids, dropout: float, scaling, training: bool) -> torch.Tensor:
     """transformers' eager attention (scores, fp32 softmax, dropout) with the row's block-diagonal causal mask."""
     groups = query.shape[1] // key.shape[1]
@@ -185,7 +171,7 @@ def _attention(inner: str):
         elif inner == "flash_attention_2":
             out = _flash(module, q, k, v, ids, dropout, scaling, {k: v for k, v in kwargs.items() if k != "position_ids"})
         else:  # sdpa and sdpa_packed: the same numbers; per sample, no mask over the whole row
-            out = _per_sample_sdpa(q, k, v, ids, dropout, scaling)
+            out = per_sample_sdpa(q, k, v, ids, dropout, scaling)
         # [rows, all tokens, my heads, dim] -> [rows, my tokens, all heads, dim], as attention returns
         return _exchange(out, group, split=1, join=2).contiguous(), None
 
