@@ -75,6 +75,22 @@ class DataOptions(Options):
         True, json_schema_extra=MATH, description="Without packing: batch samples of similar length together to cut padding."
     )
 
+    max_pixels: int = Field(
+        1024 * 1024,
+        gt=0,
+        json_schema_extra=MATH,
+        description="Image-text data: an image larger than this many pixels is scaled down (aspect kept) before the model's "
+        "processor sees it, which bounds its image tokens and the vision tower's activations (default 1024 x 1024; processors "
+        "with a fixed size, like Gemma 3's, resize anyway).",
+    )
+    min_pixels: int = Field(
+        0,
+        ge=0,
+        json_schema_extra=MATH,
+        description="Image-text data: an image smaller than this many pixels is scaled up (aspect kept); 0 leaves small images "
+        "to the processor's own minimum.",
+    )
+
     @field_validator("data", "eval_data", mode="before")
     @classmethod
     def _sources(cls, v):

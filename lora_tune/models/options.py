@@ -62,6 +62,12 @@ class LoraOptions(Options):
         json_schema_extra=MATH,
         description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).",
     )
+    train_vision: bool = Field(
+        False,
+        json_schema_extra=MATH,
+        description="Image-text models: also adapt the vision tower and projector (the --target-modules given that match their "
+        "linear layers). Off: they are frozen, get no LoRA and no gradients, and target names matching them are left out and reported.",
+    )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
     init_adapter: str | None = Field(

@@ -47,8 +47,10 @@ _CORPUS = [
 ]
 
 
-def train_tiny_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer with <s>, </s>, <pad>, trained on a fixed corpus (deterministic)."""
+def train_tiny_tokenizer(vocab_size: int = 512, extra_special_tokens: dict[str, str] | None = None):
+    """A byte-level BPE tokenizer with <s>, </s>, <pad>, trained on a fixed corpus (deterministic).
+    `extra_special_tokens` (name -> token, e.g. image_token): added after the vocabulary, in order,
+    and named on the tokenizer (`tokenizer.image_token`, `.image_token_id`) as image-text families' are."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -62,7 +64,12 @@ def train_tiny_tokenizer(vocab_size: int = 512):
     bos = tok.token_to_id("<s>")
     # Like Llama, BOS is prepended by the tokenizer itself; EOS is appended by the data stage.
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    named = dict(extra_special_tokens or {})
+    if named:
+        tok.add_special_tokens(list(named.values()))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", **({"extra_special_tokens": named} if named else {})
+    )
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
 
