@@ -11,6 +11,7 @@ fails once, in one line, before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from functools import partial
@@ -42,6 +43,7 @@ from lora_tune.models.loading import (
     pick_device,
     quant_method,
 )
+from lora_tune.models.processors import load_image_text
 from lora_tune.models.shards import base_fingerprint
 from lora_tune.models.targets import lora_targets
 from lora_tune.planner.run_plan import memory_plan
@@ -193,7 +195,14 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     score_tasks = evaluation.task_scorer(cfg)
     levers = speed_levers(cfg, config, device)
     eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message) if cfg.eval_prompts else []
-    data = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objective))
+    image_text = load_image_text(base_path, config, cfg)
+    data = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objective), image_text)
+    if data.images:
+        log.info("images: %d of %d training rows hold images (at most %d pixels each)", data.images, len(data.train), cfg.max_pixels)
+        if levers.packing:
+            attention = attention_implementation(cfg.model_copy(update={"packing": False}), config, device)
+            log.info("packing off: rows with images train in padded batches (attention: %s)", attention)
+            levers = dataclasses.replace(levers, packing=False, attention=attention)
     for line in data.per_source if len(data.per_source) > 1 else []:
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
@@ -241,4 +250,5 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         out_of_memory_advice=plan.out_of_memory_advice if plan else (),
         score_tasks=score_tasks,
         rewards=rewards,
+        image_text=image_text if data.images else None,
     )

@@ -23,6 +23,12 @@ pass would, like accumulation; the activations are a pass's.
 
 Under `--sequence-parallel N` the ranks of a group share each micro-batch, each holding 1/N of every
 row (`shard_rows`).
+
+Image-text data trains unpacked; a micro-batch carries its rows' images as the model's pixel inputs
+(decoded here, once per use). A micro-batch without images carries one blank image and says so
+(`vision_dummy`): the loss runs the vision tower on it and discards the result, so every rank runs
+the tower once per micro-batch, whatever its rows hold (ZeRO-3 gathers the tower's weights
+collectively: a rank that skipped it would leave the others waiting forever).
 """
 
 from __future__ import annotations
@@ -32,7 +38,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
+from lora_tune.data import images
 from lora_tune.models.head import IGNORE
 
 GROUP_WINDOW = 64  # micro-batches per length-sorting window
@@ -163,7 +171,21 @@ def _sequences(sample) -> list[tuple[list[int], list[int]]]:
     return [(sample.input_ids[a:b], sample.labels[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False) -> MicroBatch:
+BLANK_SIDE = 56  # pixels: the smallest image every processor takes (Qwen-style grids merge 2 x 2 patches of 14)
+
+
+def image_inputs(samples: list, input_ids: torch.Tensor, image_text) -> dict[str, torch.Tensor]:
+    """The pixel inputs of the samples' images (in order) and the token types the model wants; a
+    blank image marked `vision_dummy` when they have none."""
+    files = [f for s in samples for f in s.images]
+    if files:
+        out = image_text.pixel_inputs([images.load(f, f, image_text.max_pixels, image_text.min_pixels) for f in files])
+    else:
+        out = {**image_text.pixel_inputs([Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))]), "vision_dummy": torch.ones(())}
+    return {**out, **image_text.token_type_inputs(input_ids)}
+
+
+def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, image_text=None) -> MicroBatch:
     """Rows of samples (each with input_ids and labels) into tensors, right-padded to the longest
     row. Packed: the sequences of a row are concatenated, each with its own position_ids (restarting
     at 0) and no attention mask (padding is a block of its own). Unpacked: one sequence per row and
@@ -172,7 +194,9 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False) ->
     `units`: each sample is a unit of an objective that scores whole sequences (a preference pair,
     a KTO row with its KL sequence): the batch also says which sequence every position belongs to
     (`sequence_ids`, -1 for none), how many label tokens each sequence has, the units' KTO labels
-    and, when precomputed, their reference log-probabilities; the loss divides by units."""
+    and, when precomputed, their reference log-probabilities; the loss divides by units.
+
+    `image_text` (image-text data, `lora_tune.models.processors.ImageText`): the rows' images too."""
     if not packed:  # each sequence a row of its own
         rows = [[(seq, s)] for row in rows for s in row for seq in _sequences(s)]
     else:
@@ -203,6 +227,8 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False) ->
         lengths = torch.tensor([sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows])
         inputs["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     row_tokens = tuple(sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows)
+    if image_text is not None:
+        inputs.update(image_inputs(list({id(s): s for row in rows for _, s in row}.values()), ids, image_text))
     if not units:
         return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count}, row_tokens=row_tokens)
     samples = list(dict.fromkeys(id(s) for row in rows for _, s in row))  # each unit once, in order

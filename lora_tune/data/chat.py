@@ -59,7 +59,9 @@ class ChatRenderer:
         rest = [m for m in messages if m["role"] != "system"]
         if self.system_message == "merge" and rest and rest[0]["role"] == "user":
             text = "\n\n".join(m["content"] for m in system)
-            rest[0] = {**rest[0], "content": f"{text}\n\n{rest[0]['content']}"}
+            first = rest[0]["content"]  # a string, or image-text parts
+            merged = f"{text}\n\n{first}" if isinstance(first, str) else [{"type": "text", "text": f"{text}\n\n"}, *first]
+            rest[0] = {**rest[0], "content": merged}
         return rest
 
     def pieces(self, messages: list[dict], where: str, tools=None) -> list[tuple[str, bool]]:

@@ -24,7 +24,7 @@ import datasets
 import pyarrow
 import torch
 
-from lora_tune.data import cache, formats, sources
+from lora_tune.data import cache, formats, images, sources
 from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
 from lora_tune.errors import UserError, first_line
 
@@ -38,6 +38,7 @@ class Sample:
     starts: list[int] = field(default_factory=lambda: [0])  # where each of its sequences begins (a pair: two)
     label: int = NO_LABEL  # KTO: 1 desirable, 0 undesirable
     reference: list[float] | None = None  # precomputed reference log-probability of each sequence
+    images: list[str] = field(default_factory=list)  # image files of an image-text row, in order
 
 
 class Samples:
@@ -54,7 +55,7 @@ class Samples:
     def __getitem__(self, i: int) -> Sample:
         row = self.ds[int(i)]
         reference = self.reference[int(i)].tolist() if self.reference is not None else None
-        return Sample(row["input_ids"], row["labels"], row["starts"], row["label"], reference)
+        return Sample(row["input_ids"], row["labels"], row["starts"], row["label"], reference, row.get("images") or [])
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -93,6 +94,7 @@ class PreparedData:
     stats: DataStats
     fingerprint: str
     per_source: list[str] = field(default_factory=list)
+    images: int = 0  # image-text rows among the training samples
 
 
 def workers(cfg, rows: int) -> int | None:
@@ -101,9 +103,35 @@ def workers(cfg, rows: int) -> int | None:
     return cfg.data_workers or max(1, min(os.cpu_count() or 1, 8))
 
 
-def tokenized_source(source: sources.Source, tokenizer, cfg):
-    """(dataset of input_ids/labels/length, meta) for one source, from the cache when it is there."""
+def image_folder(source: sources.Source, files: list[Path] | None) -> Path:
+    """Where the source's image paths are relative to: its file's folder, or the folder it is."""
+    if files is None:
+        return Path.cwd()
+    path = Path(source.path).expanduser()
+    return (path if path.is_dir() else path.parent).resolve()
+
+
+def stale_images(ds) -> str | None:
+    """A fingerprint of the images' current contents when any changed since they were tokenized (a
+    replaced picture retrains: its tokens may differ too), else None."""
+    if "images" not in ds.column_names:
+        return None
+    stored, current = [], []
+    for paths, hashes in zip(ds["images"], ds["image_hashes"]):
+        for path, digest in zip(paths, hashes):
+            now = images.file_hash(Path(path)) if Path(path).is_file() else "missing"
+            stored.append(digest)
+            current.append(now)
+    if stored == current:
+        return None
+    return hashlib.sha256(json.dumps(current).encode()).hexdigest()[:16]
+
+
+def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
+    """(dataset of input_ids/labels/length, meta) for one source, from the cache when it is there.
+    `image_text`: the base's processor for image rows (`lora_tune.models.processors`), or None."""
     files = sources.local_files(source)
+    folder = image_folder(source, files)
     parts = {
         "data": sources.content_hash(source, files),
         "columns": source.columns,
@@ -113,6 +141,7 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
         "train_on_prompt": cfg.train_on_prompt,
         "system_message": getattr(cfg, "system_message", "auto"),
         "split": [source.config, source.split],
+        "images": [image_text.fingerprint(), str(folder)] if hasattr(image_text, "fingerprint") else None,
     }
     key = cache.key_of(parts)
 
@@ -130,7 +159,7 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
                 f"{source.option}: {source.label} changed while it was being read; run again once it is no longer being written"
             )
         fmt = formats.detect(raw.column_names, source.label, source.option)
-        fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option)
+        fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option, image_text, folder)
         ints = datasets.Sequence(datasets.Value("int32"))
         features = datasets.Features(
             {
@@ -140,6 +169,8 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
                 "label": datasets.Value("int8"),
                 "length": datasets.Value("int32"),
                 "status": datasets.Value("int8"),
+                "images": datasets.Sequence(datasets.Value("string")),
+                "image_hashes": datasets.Sequence(datasets.Value("string")),
                 **({"row": datasets.Value("string")} if formats.kind(fmt) == "prompts" else {}),
             }
         )
@@ -173,7 +204,12 @@ def tokenized_source(source: sources.Source, tokenizer, cfg):
 
     root = cache.cache_root(cfg) if getattr(cfg, "data_cache", True) else None
     try:
-        return cache.load_or_build(root, key, build, source.label)
+        built = cache.load_or_build(root, key, build, source.label)
+        changed = stale_images(built[0]) if root is not None else None
+        if changed:  # an image was replaced since: the entry for the images as they are now
+            key = cache.key_of({**parts, "images_now": changed})
+            built = cache.load_or_build(root, key, build, source.label)
+        return built
     except UserError:
         raise
     except Exception as e:  # an error raised in a tokenizing worker process arrives wrapped
@@ -242,12 +278,13 @@ def check_kinds(refusal, data_sources, built) -> None:
             raise UserError(reason)
 
 
-def prepare_data(cfg, tokenizer, refusal=None) -> PreparedData:
+def prepare_data(cfg, tokenizer, refusal=None, image_text=None) -> PreparedData:
     """The training (and evaluation) samples of --data, tokenized (from the cache when there),
     mixed, and split. `refusal(kind, format, where)`: the objective's word on each source's kind of
-    data, checked as soon as it is known (None: any kind)."""
+    data, checked as soon as it is known (None: any kind). `image_text`: the base's processor
+    (`lora_tune.models.processors.load_image_text`), for rows with images."""
     train_sources = sources.parse_sources(cfg.data, getattr(cfg, "data_weights", None), getattr(cfg, "data_columns", None))
-    built = [tokenized_source(s, tokenizer, cfg) for s in train_sources]
+    built = [tokenized_source(s, tokenizer, cfg, image_text) for s in train_sources]
     if refusal:
         check_kinds(refusal, train_sources, built)
     picks, counts = mix([d for d, _ in built], [s.weight for s in train_sources], cfg.seed)
@@ -268,7 +305,7 @@ def prepare_data(cfg, tokenizer, refusal=None) -> PreparedData:
     eval_ds, eval_keys = None, []
     if cfg.eval_data:
         eval_sources = sources.parse_sources(cfg.eval_data, None, getattr(cfg, "data_columns", None), "--eval-data")
-        eval_built = [tokenized_source(s, tokenizer, cfg) for s in eval_sources]
+        eval_built = [tokenized_source(s, tokenizer, cfg, image_text) for s in eval_sources]
         if refusal:
             check_kinds(refusal, eval_sources, eval_built)
         eval_keys = [meta["key"] for _, meta in eval_built]
@@ -285,4 +322,6 @@ def prepare_data(cfg, tokenizer, refusal=None) -> PreparedData:
         json.dumps([[m["key"] for _, m in built], [s.weight for s in train_sources], counts, cfg.seed, cfg.eval_split, eval_keys]).encode()
     ).hexdigest()[:16]
     formats_seen = sorted({m["format"] for _, m in built})
-    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, per_source)
+    # Rows with images, in training and evaluation: their micro-batches carry pixel inputs.
+    with_images = sum(1 for ds in (train, eval_ds) if ds is not None for paths in ds["images"] if paths)
+    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, per_source, with_images)

@@ -14,14 +14,23 @@ after the other, `starts` says where each begins, and each is cut, masked and ch
 A prompt to complete (online RL) is tokenized as the generation will continue it: no EOS, no label,
 a long one cut from the left (its end, where the answer starts, is what matters); its row travels
 along as JSON (`row`) for the reward functions.
+
+A chat row with images (image-text bases) is tokenized on its own: each piece that holds the
+template's image placeholders goes through the base's processor, which expands each placeholder to
+its image's tokens (`lora_tune.models.processors`), so the row's length counts them before any cut.
+Image tokens never carry a label (not even with --train-on-prompt), and a cut never falls inside
+them: a row whose images end past --max-seq-len is dropped (--long-samples drop) or refused. The
+row keeps its image files and their content hashes (`images`, `image_hashes`).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from lora_tune.data import formats
+from lora_tune.data import formats, images
 from lora_tune.data.chat import ChatRenderer
+from lora_tune.errors import UserError
 from lora_tune.models.head import IGNORE
 
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME = 0, 1, 2, 3, 4
@@ -29,8 +38,12 @@ NO_LABEL = -1  # the `label` of a sample that is not a KTO row
 
 
 class Tokenize:
-    def __init__(self, tokenizer, fmt: str, cfg, source_label: str, option: str = "--data"):
+    def __init__(self, tokenizer, fmt: str, cfg, source_label: str, option: str = "--data", image_text=None, folder: Path | None = None):
+        """`image_text`: the base's processor (`lora_tune.models.processors.ImageText`), None for a text
+        base, or why it can't load; `folder`: where image paths are relative to."""
         self.tok = tokenizer
+        self.image_text = image_text
+        self.folder = folder or Path.cwd()
         self.fmt = formats.BY_NAME[fmt]
         self.kind = formats.kind(self.fmt)
         self.train_on_prompt = cfg.train_on_prompt
@@ -53,10 +66,13 @@ class Tokenize:
 
     def __call__(self, batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-        out = {"input_ids": [], "labels": [], "starts": [], "label": [], "length": [], "status": []}
+        out = {"input_ids": [], "labels": [], "starts": [], "label": [], "length": [], "status": [], "images": [], "image_hashes": []}
         wheres = [f"{self.where}: row {i + 1}" for i in indices]
         if self.kind == "prompts":
             return self._prompts(rows, wheres, out)
+        files = [self._image_files(r, where) for r, where in zip(rows, wheres)]
+        if any(files):
+            return self._with_images(rows, wheres, files, out)
         if self.fmt.NAME == "pretokenized":
             samples = [[self.fmt.tokens(r, where, len(self.tok))] for r, where in zip(rows, wheres)]
         else:
@@ -71,6 +87,57 @@ class Tokenize:
             self._finish(sequences, self.fmt.label(row, where) if self.kind == "unpaired" else None, out)
         return out
 
+    def _image_files(self, row: dict, where: str) -> list[Path]:
+        """The row's image files, checked to exist (a format without images: none)."""
+        refs = self.fmt.images(row, where) if hasattr(self.fmt, "images") else []
+        if refs and (self.image_text is None or isinstance(self.image_text, str)):
+            raise UserError(
+                self.image_text
+                if self.image_text
+                else f"{where}: the row has images but --base is a text-only model; use an image-text base or drop the images"
+            )
+        return [images.resolve(ref, self.folder, where) for ref in refs]
+
+    def _with_images(self, rows: list[dict], wheres: list[str], files: list[list[Path]], out: dict) -> dict:
+        """Rows of a batch of which some hold images: those one by one through the processor."""
+        for row, where, paths in zip(rows, wheres, files):
+            pieces, templated = self._sequences(row, where, row)[0]
+            sequence = self._tokenize_images(pieces, templated, paths, where) if paths else self._tokenize([(pieces, templated)])[0]
+            self._finish([sequence], None, out, where)
+            out["images"][-1] = [str(p) for p in paths] if out["length"][-1] else []
+            out["image_hashes"][-1] = [images.file_hash(p) for p in out["images"][-1]]
+        return out
+
+    def _tokenize_images(
+        self, pieces: list[tuple[str, bool]], templated: bool, paths: list[Path], where: str
+    ) -> tuple[list[int], list[int]]:
+        vision = self.image_text
+        pictures = [images.load(p, where, vision.max_pixels, vision.min_pixels) for p in paths]
+        ids: list[int] = []
+        labels: list[int] = []
+        last_response: list[int] = []
+        used = 0
+        for k, (text, trainable) in enumerate(pieces):
+            n = text.count(vision.placeholder)
+            if n:
+                piece = vision.expand(text, pictures[used : used + n])
+                used += n
+            else:
+                piece = self.tok(text, add_special_tokens=k == 0 and not templated)["input_ids"]
+            ids += piece
+            keep = trainable or self.train_on_prompt
+            labels += [t if keep and t not in vision.masked_ids else IGNORE for t in piece]
+            last_response = piece if trainable else last_response
+        if used != len(pictures):
+            raise UserError(
+                f"{where}: the chat template wrote {used} image placeholder(s) for {len(pictures)} image(s); the base's template "
+                "must render image parts (use the checkpoint's own chat template)"
+            )
+        if self.eos not in last_response:
+            ids.append(self.eos)
+            labels.append(self.eos)
+        return ids, labels
+
     def _prompts(self, rows: list[dict], wheres: list[str], out: dict) -> dict[str, list]:
         out["row"] = []
         for row, where in zip(rows, wheres):
@@ -84,6 +151,8 @@ class Tokenize:
             out["label"].append(NO_LABEL)
             out["length"].append(len(ids))
             out["status"].append(status)
+            out["images"].append([])
+            out["image_hashes"].append([])
             out["row"].append(json.dumps(row, default=str))
         return out
 
@@ -112,12 +181,18 @@ class Tokenize:
             out.append((ids, labels))
         return out
 
-    def _cut(self, ids: list[int], labels: list[int]) -> tuple[int, list[int], list[int]]:
+    def _cut(self, ids: list[int], labels: list[int], where: str = "") -> tuple[int, list[int], list[int]]:
         """One sequence truncated or dropped to --max-seq-len, its first label masked."""
         status = KEPT
         if len(ids) > self.max_len:
             if self.long == "drop":
                 return DROPPED_LONG, [], []
+            masked = self.image_text.masked_ids if where and not isinstance(self.image_text, (str, type(None))) else ()
+            if any(t in masked for t in ids[self.max_len :]):
+                raise UserError(
+                    f"{where}: its image tokens run past --max-seq-len {self.max_len} (the row is {len(ids)} tokens); raise "
+                    "--max-seq-len, lower --max-pixels, or pass --long-samples drop (a cut never falls inside an image)"
+                )
             status, ids, labels = TRUNCATED, ids[: self.max_len], labels[: self.max_len]
         labels = [IGNORE] + list(labels[1:])
         # A sequence whose labels are all masked adds nothing but a 0/0 to the loss (trl #6668).
@@ -125,8 +200,8 @@ class Tokenize:
             return DROPPED_NO_LABELS, [], []
         return status, ids, labels
 
-    def _finish(self, sequences: list[tuple[list[int], list[int]]], label: bool | None, out: dict) -> None:
-        cut = [self._cut(ids, labels) for ids, labels in sequences]
+    def _finish(self, sequences: list[tuple[list[int], list[int]]], label: bool | None, out: dict, where: str = "") -> None:
+        cut = [self._cut(ids, labels, where) for ids, labels in sequences]
         dropped = next((status for status, ids, _ in cut if not ids), None)
         if dropped is None and self.kind == "pairs" and cut[0][1] == cut[1][1]:
             dropped = DROPPED_SAME  # nothing to prefer between two identical answers
@@ -142,3 +217,5 @@ class Tokenize:
         out["label"].append(NO_LABEL if label is None else int(label))
         out["length"].append(len(ids))
         out["status"].append(dropped if dropped is not None else max(status for status, _, _ in cut))
+        out["images"].append([])
+        out["image_hashes"].append([])

@@ -22,7 +22,9 @@ import math
 
 import torch
 
-from lora_tune.models.structure import decoder_body
+from lora_tune.models.structure import decoder_body, multimodal_body
+
+TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")  # image-text inputs that are not the images
 
 IGNORE = -100  # the label of a position with no loss (prompt, padding): PyTorch's and transformers' convention
 
@@ -243,10 +245,30 @@ def chunking_refusal(config) -> str | None:
     return None
 
 
-def shifted_hidden(peft_model, input_ids, labels, attention_mask=None, position_ids=None) -> tuple[torch.Tensor, torch.Tensor]:
+def shifted_hidden(
+    peft_model, input_ids, labels, attention_mask=None, position_ids=None, vision: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """([positions, hidden], [positions]): the decoder's last hidden states and the token each one
-    predicts (position t predicts token t + 1, shifted within each row), rows flattened."""
-    body = decoder_body(peft_model.get_base_model())  # the decoder without its head (in an image-text wrapper: the language model's)
+    predicts (position t predicts token t + 1, shifted within each row), rows flattened.
+
+    `vision` (image-text data: pixel inputs and token types, `lora_tune.data.batching.image_inputs`):
+    the image-text model's body runs, its vision tower's features in place of the image tokens; a
+    micro-batch without images brings a blank one (`vision_dummy`), run through the tower and
+    discarded, so every rank runs the tower once per micro-batch."""
+    base = peft_model.get_base_model()
+    kwargs = {}
+    if vision:
+        body = multimodal_body(base)
+        vision = dict(vision)
+        if vision.pop("vision_dummy", None) is not None:
+            with torch.no_grad():
+                body.get_image_features(**{k: v for k, v in vision.items() if k not in TOKEN_TYPE_INPUTS})
+            vision = {k: v for k, v in vision.items() if k in TOKEN_TYPE_INPUTS}
+        kwargs = vision
+    else:
+        body = decoder_body(base)  # the decoder without its head (in an image-text wrapper: the language model's)
     # No KV cache: with one, transformers stops reading packed sequences from position_ids.
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+    hidden = body(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
+    ).last_hidden_state
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)

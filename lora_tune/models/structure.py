@@ -84,6 +84,17 @@ def decoder_body(model):
     return best
 
 
+def multimodal_body(model):
+    """The image-text model's body below its head: the sub-model that runs the vision tower and puts
+    its features in place of the image tokens (`get_image_features`), then the decoder. None for a
+    wrapper without one (Llama 4 keeps them apart)."""
+    embed = model.get_input_embeddings()
+    for _, module in model.named_children():
+        if isinstance(module, PreTrainedModel) and hasattr(module, "get_image_features") and any(m is embed for m in module.modules()):
+            return module
+    return None
+
+
 def body_path(model) -> str:
     """The module path of `decoder_body(model)` ('' when the model is its own body)."""
     body = decoder_body(model)

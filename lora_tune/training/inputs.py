@@ -65,3 +65,6 @@ class RunInputs:
     score_tasks: Callable[[object, object], dict[str, float]] | None = None
     # --objective grpo: the reward functions, loaded and checked (lora_tune.training.rewards).
     rewards: Rewards | None = None
+    # Image-text data: the base's processor (lora_tune.models.processors.ImageText), which builds each
+    # micro-batch's pixel inputs; None when no training row has an image.
+    image_text: object | None = None

@@ -74,7 +74,13 @@ class TrainingLoop:
         return [self._collate(train, rows) for rows in groups]
 
     def _collate(self, samples, rows: list[list[int]]):
-        batch = collate([[samples[i] for i in row] for row in rows], self.pad_id, self.inputs.levers.packing, self.inputs.objective.units)
+        batch = collate(
+            [[samples[i] for i in row] for row in rows],
+            self.pad_id,
+            self.inputs.levers.packing,
+            self.inputs.objective.units,
+            self.inputs.image_text,
+        )
         group = self.sequence_group
         return shard_rows(batch, group.size, group.index, self.pad_id) if group else batch
 

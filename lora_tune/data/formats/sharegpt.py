@@ -1,7 +1,8 @@
 """ShareGPT: `conversations`, a list of {from, value}; from is human/user, gpt/assistant/model,
 system, or tool/function/observation (a tool's result); a `function_call` turn is the assistant
 calling a tool (its value the JSON call). Optional `system` and `tools` columns, as LLaMA-Factory
-writes them. Turns given as {role, content} are read too. The loss is on the assistant turns."""
+writes them, and `images` (one file per `<image>` placeholder in the turns). Turns given as {role,
+content} are read too. The loss is on the assistant turns."""
 
 from __future__ import annotations
 
@@ -67,14 +68,26 @@ def to_messages(turns, where: str) -> list[dict]:
     return messages
 
 
-def pieces(record: dict, where: str, chat) -> list[tuple[str, bool]]:
+def _messages(record: dict, where: str) -> list[dict]:
     messages = to_messages(record.get("conversations"), where)
     if isinstance(record.get("system"), str) and record["system"].strip() and not any(m["role"] == "system" for m in messages):
         messages.insert(0, {"role": "system", "content": record["system"]})
+    return messages
+
+
+def images(record: dict, where: str) -> list:
+    refs: list = []
+    normalise(_messages(record, where), where, "conversations", refs, record.get("images"))
+    return refs
+
+
+def pieces(record: dict, where: str, chat) -> list[tuple[str, bool]]:
+    messages = _messages(record, where)
     tools = record.get("tools")
     if isinstance(tools, str) and tools.strip():
         try:
             tools = json.loads(tools)
         except ValueError:
             raise UserError(f"{where}: 'tools' must be JSON (a list of tool schemas)") from None
-    return chat.pieces(normalise(messages, where, "conversations"), where, tools=tools or None)
+    messages = normalise(messages, where, "conversations", [], record.get("images"))
+    return chat.pieces(messages, where, tools=tools or None)

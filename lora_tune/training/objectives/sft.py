@@ -36,7 +36,15 @@ class CausalLMLoss(torch.nn.Module):
             return self.peft_model.generate(**kwargs)
 
     def forward(
-        self, input_ids, num_items_in_batch, labels=None, attention_mask=None, position_ids=None, shifted_labels=None, row_position_ids=None
+        self,
+        input_ids,
+        num_items_in_batch,
+        labels=None,
+        attention_mask=None,
+        position_ids=None,
+        shifted_labels=None,
+        row_position_ids=None,
+        **vision,  # image-text data: pixel inputs and token types (lora_tune.data.batching.image_inputs)
     ):
         if shifted_labels is not None:  # this rank's slice of every row (--sequence-parallel: lora_tune.data.batching.shard_rows)
             hidden = shard_hidden(self.peft_model, input_ids, position_ids, row_position_ids, self.sequence_group)
@@ -48,9 +56,10 @@ class CausalLMLoss(torch.nn.Module):
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 num_items_in_batch=num_items_in_batch,
+                **{k: v for k, v in vision.items() if k != "vision_dummy"},
             ).loss
         else:
-            hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids)
+            hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids, vision)
         head = self.peft_model.get_base_model().get_output_embeddings()
         return linear_cross_entropy(
             hidden, head.weight, targets, num_items_in_batch, self.chunk(hidden, head), self.softcap, head.bias, self.chunk_fn

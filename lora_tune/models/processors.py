@@ -1,0 +1,90 @@
+"""An image-text checkpoint's own processor (`AutoProcessor`), for what training needs of it: how
+many tokens an image becomes (the processor expands the placeholder the chat template writes, per
+family: Gemma 3's soft tokens between begin/end tokens, LLaVA's repeated `<image>`, the Qwen-style
+grid of merged patches), the pixel inputs the model's forward takes, the ids never trained on, and
+the token types some families want (Gemma 3's `token_type_ids`, the multimodal rotary families'
+`mm_token_type_ids`), all from the processor's and the config's own declarations.
+
+Loading it is tolerant: a text run on an image-text checkpoint (today's use) must not need it, so a
+processor that can't load is kept as the reason and said only when a row brings an image.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from transformers import AutoProcessor
+
+from lora_tune.errors import UserError, first_line
+from lora_tune.models.head import TOKEN_TYPE_INPUTS  # 1 on image tokens, 0 elsewhere
+from lora_tune.models.structure import is_image_text, meta_model, multimodal_body
+
+
+def _image_token_ids(config) -> set[int]:
+    """The ids the config names for image placeholders (the expanded tokens, and begin/end markers)."""
+    ids = set()
+    for key, value in config.to_dict().items():
+        if "image" in key and key.endswith(("_token_id", "_token_index")) and isinstance(value, int):
+            ids.add(value)
+    return ids
+
+
+class ImageText:
+    """The processor of an image-text base, with --max-pixels / --min-pixels."""
+
+    def __init__(self, processor, config, max_pixels: int, min_pixels: int = 0):
+        self.processor = processor
+        self.placeholder = processor.image_token  # what the chat template writes once per image
+        image_key = next((k for k in ("image_token_id", "image_token_index") if isinstance(getattr(config, k, None), int)), None)
+        if image_key is None:
+            raise UserError(f"{config.model_type}: the config names no image token id; image-text training can't find its image tokens")
+        self.image_token_id = getattr(config, image_key)  # the tokens the vision features replace
+        self.masked_ids = _image_token_ids(config) | {processor.tokenizer.convert_tokens_to_ids(self.placeholder)}
+        self.max_pixels, self.min_pixels = max_pixels, min_pixels
+        self.pixel_keys = [k for k in processor.model_input_names if k not in ("input_ids", "attention_mask", *TOKEN_TYPE_INPUTS)]
+        # Processors that return multimodal token types say so by a flag, not in model_input_names.
+        wanted = [*processor.model_input_names, *(["mm_token_type_ids"] if getattr(processor, "return_mm_token_type_ids", False) else [])]
+        self.token_types = [k for k in TOKEN_TYPE_INPUTS if k in wanted]
+
+    def fingerprint(self) -> str:
+        """What decides the tokens an image becomes: the processor's settings and the pixel bounds."""
+        image = self.processor.image_processor.to_dict()
+        text = {k: v for k, v in self.processor.to_dict().items() if k not in ("image_processor", "tokenizer", "chat_template")}
+        blob = json.dumps([image, text, self.max_pixels, self.min_pixels], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def expand(self, text: str, images: list) -> list[int]:
+        """Token ids of `text`, each placeholder expanded to its image's tokens (no special tokens added)."""
+        out = self.processor(text=[text], images=images or None, add_special_tokens=False)
+        return list(out["input_ids"][0])
+
+    def pixel_inputs(self, images: list) -> dict[str, torch.Tensor]:
+        """What the model's forward takes for these images, in order (pixel values, grids, sizes)."""
+        out = self.processor.image_processor(images=images, return_tensors="pt")
+        return {k: out[k] for k in self.pixel_keys if k in out}
+
+    def token_type_inputs(self, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        marks = (input_ids == self.image_token_id).long()
+        return {k: marks for k in self.token_types}
+
+
+def load_image_text(base_path: str, config, cfg) -> ImageText | str | None:
+    """The base's processor (None for a text model); a string says why it can't load (said when a row
+    brings an image)."""
+    if not is_image_text(config):
+        return None
+    try:
+        processor = AutoProcessor.from_pretrained(base_path, trust_remote_code=cfg.trust_remote_code)
+    except ImportError as e:
+        missing = first_line(e)[:160]
+        return f"--base {cfg.base}: its processor needs a package that is missing ({missing}); install it (pip install torchvision)"
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
+        return f"--base {cfg.base}: its image processor can't be loaded ({first_line(e)[:160]}); the folder needs the processor files"
+    if not hasattr(processor, "image_processor") or not getattr(processor, "image_token", None):
+        return f"--base {cfg.base}: its processor ({type(processor).__name__}) has no image processor or image token"
+    if multimodal_body(meta_model(config)) is None:
+        apart = f"{config.model_type} keeps its vision tower apart from the decoder"
+        return f"--base {cfg.base}: {apart}; training on its images is not supported yet"
+    return ImageText(processor, config, cfg.max_pixels, cfg.min_pixels)
