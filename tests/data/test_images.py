@@ -1,0 +1,160 @@
+"""Image-text rows: both data styles, image tokens counted by the base's own processor and never
+trained or cut, bad images refused in one line naming the row, the cache noticing a replaced image."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from lora_tune.data.batching import collate
+from lora_tune.data.prepare import Sample, prepare_data
+from lora_tune.data.tokenize import DROPPED_LONG, Tokenize
+from lora_tune.errors import UserError
+from lora_tune.models.head import IGNORE
+from lora_tune.models.loading import load_config, load_tokenizer
+from lora_tune.models.processors import load_image_text
+from lora_tune.models.tiny.vision import build_tiny_image_text_model
+from tests.helpers import data_config, write_jsonl
+
+FAMILIES = ("gemma3", "llava", "paddleocr_vl")
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("image_text_bases")
+    return {family: build_tiny_image_text_model(family, root / family) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def pictures(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("pictures")
+    (folder / "img").mkdir()
+    for name, colour in (("red", (220, 20, 20)), ("blue", (20, 20, 220))):
+        Image.new("RGB", (64, 48), colour).save(folder / "img" / f"{name}.png")
+    (folder / "img" / "broken.png").write_bytes(b"\x89PNG not really")
+    return folder
+
+
+def typed(image: str, answer: str = "It is red.") -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What colour is this?"}]},
+            {"role": "assistant", "content": answer},
+        ]
+    }
+
+
+def placeholder(image: str, answer: str = "It is red.") -> dict:
+    return {
+        "conversations": [{"from": "human", "value": "<image>What colour is this?"}, {"from": "gpt", "value": answer}],
+        "images": [image],
+    }
+
+
+def tokenize(base: Path, fmt: str, rows: list[dict], folder: Path, **options) -> dict:
+    cfg = data_config(**options)
+    image_text = load_image_text(str(base), load_config(str(base), False), cfg)
+    fn = Tokenize(load_tokenizer(str(base), False), fmt, cfg, "d.jsonl", image_text=image_text, folder=folder)
+    return fn({k: [r.get(k) for r in rows] for k in rows[0]}, list(range(len(rows))))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_both_styles_give_the_processors_own_tokens_with_images_untrained(bases, pictures, family):
+    cfg = data_config()
+    image_text = load_image_text(str(bases[family]), load_config(str(bases[family]), False), cfg)
+    a = tokenize(bases[family], "messages", [typed("img/red.png")], pictures)
+    b = tokenize(bases[family], "sharegpt", [placeholder(str(pictures / "img/red.png"))], pictures)  # absolute paths too
+    assert a["input_ids"] == b["input_ids"] and a["labels"] == b["labels"]
+    ids, labels = a["input_ids"][0], a["labels"][0]
+    # The processor on the whole rendered conversation gives the same ids (plus the EOS the data stage appends).
+    text = image_text.processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}, typed("")["messages"][1]],
+        tokenize=False,
+    )
+    whole = image_text.expand(text, [Image.open(pictures / "img/red.png").convert("RGB")])
+    assert ids[: len(whole)] == whole
+    images = [i for i, t in enumerate(ids) if t == image_text.image_token_id]
+    assert len(images) == 4  # the tiny processors' 4 tokens per image
+    assert all(labels[i] == IGNORE for i in images)
+    trained = [t for t in labels if t != IGNORE]
+    assert trained and image_text.image_token_id not in trained
+    assert a["images"] == [[str((pictures / "img/red.png").resolve())]] and len(a["image_hashes"][0][0]) == 24
+    # Even with the prompt trained, image tokens carry no label.
+    c = tokenize(bases[family], "messages", [typed("img/red.png")], pictures, train_on_prompt=True)
+    assert all(c["labels"][0][i] == IGNORE for i in images) and sum(t != IGNORE for t in c["labels"][0]) > len(trained)
+
+
+def test_a_cut_never_falls_inside_the_image_tokens(bases, pictures):
+    row = typed("img/red.png")
+    full = tokenize(bases["gemma3"], "messages", [row], pictures)["input_ids"][0]
+    start = full.index(514)  # Gemma 3's image soft tokens: 4 from here
+    with pytest.raises(UserError, match=r"d.jsonl: row 1: its image tokens run past --max-seq-len 12 .*--long-samples drop"):
+        tokenize(bases["gemma3"], "messages", [row], pictures, max_seq_len=start + 2)
+    dropped = tokenize(bases["gemma3"], "messages", [row], pictures, max_seq_len=start + 2, long_samples="drop")
+    assert dropped["status"] == [DROPPED_LONG] and dropped["images"] == [[]]
+    cut = tokenize(bases["gemma3"], "messages", [row], pictures, max_seq_len=len(full) - 2)  # after the image: truncated
+    assert len(cut["input_ids"][0]) == len(full) - 2 and cut["images"][0]
+
+
+@pytest.mark.parametrize(
+    "row, fmt, message",
+    [
+        (typed("img/missing.png"), "messages", r"row 1: image img/missing.png not found .*relative to the data file's folder"),
+        (typed("img/broken.png"), "messages", r"row 1: .*broken.png is not a readable image"),
+        (typed("https://example.com/a.png"), "messages", r"row 1: image https://example.com/a.png is a URL; .*offline"),
+        (
+            {**placeholder("img/red.png"), "images": ["img/red.png", "img/blue.png"]},
+            "sharegpt",
+            r"row 1: 1 <image> placeholder\(s\) in the text but 2 image\(s\) in 'images'",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]},
+            "messages",
+            r"row 1: messages\[0\]: an image part without a file",
+        ),
+    ],
+)
+def test_bad_images_are_one_line_naming_the_row(bases, pictures, row, fmt, message):
+    with pytest.raises(UserError, match=message):
+        tokenize(bases["llava"], fmt, [row], pictures)
+
+
+def test_images_given_to_a_text_only_base_are_refused(tiny_model, pictures):
+    fn = Tokenize(load_tokenizer(str(tiny_model), False), "messages", data_config(), "d.jsonl", image_text=None, folder=pictures)
+    with pytest.raises(UserError, match=r"row 1: the row has images but --base is a text-only model"):
+        fn({"messages": [typed("img/red.png")["messages"]]}, [0])
+
+
+def test_micro_batches_carry_their_images_or_a_blank_one_for_the_tower(bases, pictures):
+    cfg = data_config()
+    image_text = load_image_text(str(bases["paddleocr_vl"]), load_config(str(bases["paddleocr_vl"]), False), cfg)
+    out = tokenize(bases["paddleocr_vl"], "messages", [typed("img/red.png"), typed("img/blue.png")], pictures)
+    samples = [Sample(out["input_ids"][i], out["labels"][i], out["starts"][i], images=out["images"][i]) for i in range(2)]
+    batch = collate([[s] for s in samples], 0, packed=False, image_text=image_text)
+    assert batch.inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]  # 56 x 42 -> a 4 x 4 patch grid each
+    assert batch.inputs["pixel_values"].shape[0] == 32 and "vision_dummy" not in batch.inputs
+    assert torch.equal(batch.inputs["mm_token_type_ids"], (batch.inputs["input_ids"] == 512).long())
+    text = Sample(samples[0].input_ids[:3], samples[0].labels[:3])
+    blank = collate([[text]], 0, packed=False, image_text=image_text)
+    assert "vision_dummy" in blank.inputs and blank.inputs["image_grid_thw"].shape == (1, 3)
+
+
+def test_the_cache_notices_a_replaced_image(bases, pictures, tmp_path):
+    folder = tmp_path / "data"
+    (folder / "img").mkdir(parents=True)
+    Image.new("RGB", (64, 48), (220, 20, 20)).save(folder / "img" / "a.png")
+    data = write_jsonl(folder / "d.jsonl", [typed("img/a.png"), typed("img/a.png", "Still red.")])
+    cfg = data_config(data=str(data), data_cache_dir=str(tmp_path / "cache"))
+    image_text = load_image_text(str(bases["gemma3"]), load_config(str(bases["gemma3"]), False), cfg)
+    tok = load_tokenizer(str(bases["gemma3"]), False)
+    first = prepare_data(cfg, tok, image_text=image_text)
+    again = prepare_data(cfg, tok, image_text=image_text)
+    assert again.fingerprint == first.fingerprint and first.images == 2
+    Image.new("RGB", (64, 48), (20, 20, 220)).save(folder / "img" / "a.png")  # same path, another picture
+    replaced = prepare_data(cfg, tok, image_text=image_text)
+    assert replaced.fingerprint != first.fingerprint
+    assert json.dumps(replaced.train[0].images) == json.dumps([str((folder / "img" / "a.png").resolve())])
