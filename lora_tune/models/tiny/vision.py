@@ -96,7 +96,12 @@ def build_tiny_image_text_model(model_type: str, out_dir: str | Path, seed: int 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(out)
+    model = AutoModelForImageTextToText.from_config(config)
+    with torch.no_grad():  # Gemma 3 initialises its projection to zeros: every image would look the same
+        for name, p in model.named_parameters():
+            if "projector" in name and p.dim() > 1 and not p.any():
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(out)
     _processor(model_type, tokenizer, template).save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
     return out
