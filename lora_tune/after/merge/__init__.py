@@ -29,7 +29,7 @@ from transformers.utils import logging as hf_logging
 
 from lora_tune.after.merge.applying import TensorMerger
 from lora_tune.after.merge.reading import NotStreamable, base_folder, disk_adapter, named_adapter, read_adapter
-from lora_tune.after.merge.verifying import FULL_CHECK_MAX_PARAMS, TOLERANCE, all_finite, relative_drift, verify_logits
+from lora_tune.after.merge.verifying import FULL_CHECK_MAX_PARAMS, TOLERANCE, all_finite, relative_drift, verify_logits, verify_vision
 from lora_tune.after.merge.writing import check_apart, plan_output, prepare_output, shard_names, write_index, write_shard, write_side_files
 from lora_tune.after.options import MergeConfig
 from lora_tune.errors import UserError, sigterm_stops
@@ -164,6 +164,9 @@ def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: Mer
     try:
         write_side_files(base, adapter_dir, tmp, cfg.dtype)  # first: verification loads the folder
         drift = write(tmp)
+        compared = verify_vision(base, tmp, adapter_dir) if cfg.verify else None
+        if compared is not None:
+            log.info("verify: %d vision tower / projector tensors bit-identical to the base's", compared)
         if drift is not None:
             tolerance = TOLERANCE[cfg.dtype]
             if not drift <= tolerance:

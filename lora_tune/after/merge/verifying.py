@@ -1,15 +1,22 @@
-"""Proof that the merge is base + adapter: sampled layers against the unmerged LoRA forward, and
-(for models up to FULL_CHECK_MAX_PARAMS) whole-model logits against peft's."""
+"""Proof that the merge is base + adapter: sampled layers against the unmerged LoRA forward, (for
+models up to FULL_CHECK_MAX_PARAMS) whole-model logits against peft's, and an image-text model's
+vision tower and projector, which the adapter leaves alone, read back bit for bit."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from peft import PeftModel
+from safetensors import safe_open
 from transformers.utils import logging as hf_logging
 
+from lora_tune.after import vision
 from lora_tune.after.merge.reading import LoraModule
+from lora_tune.errors import UserError
+from lora_tune.models import shards
+from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import auto_class, text_ids
 
@@ -88,3 +95,48 @@ def verify_expert(base_w: torch.Tensor, merged_w: torch.Tensor, lora: LoraModule
     """Expert 0 of a fused tensor: the merged weight vs its unmerged LoRA forward."""
     orient = (lambda w: w.T) if lora.in_first else (lambda w: w)  # noqa: E731 - (out, in) view of either layout
     return verify_layer("", orient(base_w[0]), orient(merged_w[0]), LoraModule(*expert_rows(lora, 0), lora.scale), False)
+
+
+def _tensor(entry: shards.Entry, name: str) -> torch.Tensor:
+    with safe_open(str(entry.file), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def verify_vision(base: Path, merged: Path, adapter_dir: Path) -> int | None:
+    """An image-text model's vision tower and projector tensors that the adapter does not adapt are, in
+    the merged folder, the base's bit for bit (cast to the dtype they are written in, --dtype). Returns
+    how many were compared (None: not an image-text model transformers implements); one that differs or
+    is missing is a UserError naming it."""
+    config = json.loads((base / "config.json").read_text())
+    parts = vision.parts(config)
+    if parts is None or config.get("quantization_config"):
+        return None  # a quantized base is dequantized by transformers' loader: nothing there is copied bit for bit
+    adapted = {parts.module_of(m) or m for m in vision.adapted_modules(shards.read_header(adapter_dir / "adapter_model.safetensors"))}
+    base_entries, out_entries = shards.read_headers(base), shards.read_headers(merged)
+    base_layout, out_layout = CheckpointLayout(parts.skeleton, base_entries), CheckpointLayout(parts.skeleton, out_entries)
+    compared = 0
+    for key, group in base_layout.groups.items():
+        module = key.rsplit(".", 1)[0]
+        if parts.is_language(module) or module in adapted or not base_layout.is_renaming(key):
+            continue  # the language model's, adapted, or converted on load (fused experts: a language model's)
+        if not out_layout.is_renaming(key):
+            raise UserError(
+                f"verification failed: {group[0]} of the vision tower / projector is missing from the merged model; nothing was written"
+            )
+        (written,) = out_layout.groups[key]
+        want, got = _tensor(base_entries[group[0]], group[0]), _tensor(out_entries[written], written)
+        if want.is_floating_point() and got.is_floating_point():
+            want = want.to(got.dtype)
+        if not same_bits(want, got):
+            raise UserError(
+                f"verification failed: {written} of the vision tower / projector differs from the base's {group[0]} (the adapter does "
+                "not adapt it, so it must be copied bit for bit); nothing was written"
+            )
+        compared += 1
+    return compared

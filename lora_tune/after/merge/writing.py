@@ -1,5 +1,6 @@
 """The merged folder: output shards planned from the base's safetensors headers alone and written
-tensor by tensor, its index, config and tokenizer files; and an --output that is safe to write."""
+tensor by tensor, its index, config, tokenizer and (image-text models) processor files; and an
+--output that is safe to write."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.errors import UserError
+from lora_tune.after import vision
+from lora_tune.errors import UserError, first_line
 from lora_tune.files import pid_alive, remove_tree
 from lora_tune.models import shards
 
@@ -31,6 +33,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+CHAT_TEMPLATE_FILES = TOKENIZER_FILES[-2:]
 
 
 @dataclass
@@ -99,7 +102,8 @@ def write_index(folder: Path, groups: list[list[PlannedTensor]], names: list[str
 
 
 def write_side_files(base: Path, adapter_dir: Path, out: Path, dtype: str) -> None:
-    """config.json (chosen dtype, no quantization config), generation config, tokenizer files."""
+    """config.json (chosen dtype, no quantization config), generation config, tokenizer files, and the
+    processor files (`copy_processor_files`)."""
     config = json.loads((base / "config.json").read_text())
     config.pop("quantization_config", None)
     config["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
@@ -113,6 +117,42 @@ def write_side_files(base: Path, adapter_dir: Path, out: Path, dtype: str) -> No
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
+    if not any((out / name).is_file() for name in CHAT_TEMPLATE_FILES):  # the base's (a processor's own) template then
+        for name in CHAT_TEMPLATE_FILES:
+            if (base / name).is_file():
+                shutil.copy2(base / name, out / name)
+    copy_processor_files(base, adapter_dir, out, vision.is_image_text(config))
+
+
+def copy_processor_files(base: Path, adapter_dir: Path, out: Path, image_text: bool) -> None:
+    """What AutoProcessor reads besides the tokenizer (`vision.PROCESSOR_FILES`): from the adapter's
+    folder when training saved them there, else from the base. Each is read (a link followed: a hub
+    cache's files are links) and must be a JSON object, or the merge stops in one line naming it, since
+    the merged folder's processor would not load; it is written as a plain file of the merged folder."""
+    option, source = "--adapter", adapter_dir
+    if not any(os.path.lexists(adapter_dir / name) for name in vision.PROCESSOR_FILES):
+        option, source = "--base", base
+    for name in vision.PROCESSOR_FILES:
+        path = source / name
+        if not os.path.lexists(path):
+            continue
+        try:
+            data = path.read_bytes()
+            if not isinstance(json.loads(data), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
+            raise UserError(
+                f"{option}: {path} is unreadable or not a processor's JSON ({first_line(e)}); the merged model's processor (AutoProcessor) "
+                "would not load. Restore it from the model's source or remove it"
+            ) from None
+        (out / name).write_bytes(data)
+    if image_text and not any((out / name).is_file() for name in vision.IMAGE_PROCESSOR_FILES):
+        log.warning(
+            "merge: %s has no %s; the merged model loads (AutoModelForImageTextToText) but its processor (AutoProcessor) does not: "
+            "copy the processor files of the model's source into it",
+            source,
+            " or ".join(vision.IMAGE_PROCESSOR_FILES),
+        )
 
 
 def check_apart(out: Path, folder: Path, what: str) -> None:

@@ -1,0 +1,147 @@
+"""Image-text checkpoints after training: `merge` writes a folder that loads with AutoProcessor and
+AutoModelForImageTextToText, equals base + adapter on an image, and keeps the vision tower and
+projector bit for bit; `export --format gguf` says in one line that the vision projector (mmproj) is
+not written; `check-serving` knows vLLM's and llama.cpp's image-text rules."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from peft import PeftModel
+from PIL import Image
+from safetensors.torch import load_file
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from lora_tune.after.merge import applying
+from lora_tune.after.vision import PROCESSOR_FILES
+from lora_tune.cli import main
+from lora_tune.models.tiny.vision import build_tiny_image_text_model
+
+from helpers import TEXT, fast_train_args, run_cli, single_error_line, write_jsonl
+
+FAMILIES = ("gemma3", "llava")
+VISION = ("vision_tower.", "multi_modal_projector.")  # the tiny checkpoints' disk names outside the language model
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """Per family: the tiny base, an adapter trained through the CLI (text rows: it adapts the language
+    model only), and the fp32 merge of the two."""
+    root = tmp_path_factory.mktemp("image-text")
+    data = write_jsonl(root / "text.jsonl", TEXT)
+    out = {}
+    for family in FAMILIES:
+        base = build_tiny_image_text_model(family, root / family)
+        run = root / f"run-{family}"
+        # A high learning rate so the adapter moves far from identity and a wrong merge shows.
+        args = fast_train_args(base, data, run, max_steps=2, lr=5e-2)
+        assert run_cli_ok(args)
+        merged = root / f"merged-{family}"
+        assert run_cli_ok(["merge", "--adapter", run, "--output", merged, "--dtype", "fp32"])
+        out[family] = (base, run, merged)
+    return out
+
+
+def run_cli_ok(args) -> bool:
+    return main([str(a) for a in args]) == 0
+
+
+def image_inputs(processor) -> dict:
+    """An image drawn on the spot and a user turn that shows it, rendered by the processor's chat template."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert processor.image_token in text or "<start_of_image>" in text
+    return processor(text=[text], images=[Image.new("RGB", (64, 64), (200, 10, 10))], return_tensors="pt")
+
+
+def logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model.eval()(**inputs).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_folder_loads_with_its_processor_and_equals_base_plus_adapter_on_an_image(family, world):
+    base, run, merged = world[family]
+    for name in PROCESSOR_FILES:  # every processor file the base has, copied as a plain file
+        if (base / name).exists():
+            assert not (merged / name).is_symlink() and (merged / name).read_bytes() == (base / name).read_bytes(), name
+    assert (merged / "processor_config.json").is_file()
+    processor = AutoProcessor.from_pretrained(merged)
+    assert type(processor) is type(AutoProcessor.from_pretrained(base))
+    inputs = image_inputs(processor)
+    assert "pixel_values" in inputs
+    want = logits(PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), run), inputs)
+    got = logits(AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32), inputs)
+    base_only = logits(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), inputs)
+    scale = want.abs().max()
+    assert (got - want).abs().max() / scale < 1e-5
+    assert (base_only - want).abs().max() / scale > 1e-3, "the adapter must change the function, or the test proves nothing"
+    before, after = load_file(base / "model.safetensors"), load_file(merged / "model.safetensors")
+    vision = [k for k in before if k.startswith(VISION)]
+    assert vision and all(torch.equal(before[k], after[k]) for k in vision)
+
+
+def test_merge_verifies_the_vision_tower_bit_for_bit_in_any_dtype(world, tmp_path, capsys):
+    base, run, _ = world["llava"]
+    code, _, err = run_cli(["merge", "--adapter", run, "--output", tmp_path / "bf16", "--dtype", "bf16"], capsys)
+    assert code == 0, err
+    n = sum(k.startswith(VISION) for k in load_file(base / "model.safetensors"))
+    assert f"verify: {n} vision tower / projector tensors bit-identical to the base's" in err
+
+
+def test_a_vision_tensor_changed_by_the_merge_fails_verification(world, tmp_path, capsys, monkeypatch):
+    base, run, _ = world["gemma3"]
+    produce = applying.TensorMerger.__call__
+
+    def nudged(self, t):
+        tensor = produce(self, t)
+        return tensor + 1e-3 if t.name.startswith("vision_tower.") and t.name.endswith("q_proj.weight") else tensor
+
+    monkeypatch.setattr(applying.TensorMerger, "__call__", nudged)
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["merge", "--adapter", run, "--output", out, "--dtype", "fp32"], capsys)
+    line = single_error_line(err)
+    assert code == 2 and line.startswith("error: verification failed: vision_tower.") and "nothing was written" in line
+    assert not out.exists()
+
+
+def test_processor_files_are_read_through_links_validated_and_written_plain(world, tmp_path, capsys):
+    base, run, _ = world["gemma3"]
+    copy = tmp_path / "base"
+    shutil.copytree(base, copy)
+    elsewhere = tmp_path / "elsewhere" / "processor_config.json"  # a hub cache: the file is a link to a blob
+    elsewhere.parent.mkdir()
+    shutil.move(copy / "processor_config.json", elsewhere)
+    (copy / "processor_config.json").symlink_to(elsewhere)
+    video = {"video_processor_type": "ExampleVideoProcessor", "size": {"height": 64, "width": 64}}
+    (copy / "video_preprocessor_config.json").write_text(json.dumps(video))
+    out = tmp_path / "merged"
+    code, _, err = run_cli(["merge", "--adapter", run, "--base", copy, "--output", out, "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert not (out / "processor_config.json").is_symlink() and (out / "processor_config.json").read_bytes() == elsewhere.read_bytes()
+    assert json.loads((out / "video_preprocessor_config.json").read_text()) == video
+    for fault in (b"", b'{"image_processor": ', b"[1, 2]"):
+        elsewhere.write_bytes(fault)
+        code, _, err = run_cli(["merge", "--adapter", run, "--base", copy, "--output", tmp_path / "again", "--dtype", "fp32"], capsys)
+        line = single_error_line(err)
+        assert code == 2 and f"--base: {copy}/processor_config.json is unreadable or not a processor's JSON" in line
+    elsewhere.write_bytes((base / "processor_config.json").read_bytes())
+    # A run whose tokenizer has no chat template file: the base's template (here a processor's own
+    # chat_template.json) goes with the processor.
+    bare_run = tmp_path / "run"
+    shutil.copytree(run, bare_run)
+    (bare_run / "chat_template.jinja").unlink()
+    template = (base / "chat_template.jinja").read_text()
+    (copy / "chat_template.jinja").unlink()
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    out = tmp_path / "templated"
+    code, _, err = run_cli(["merge", "--adapter", bare_run, "--base", copy, "--output", out, "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert AutoProcessor.from_pretrained(out).chat_template == template
+    elsewhere.unlink()  # a dangling link
+    code, _, err = run_cli(["merge", "--adapter", run, "--base", copy, "--output", tmp_path / "again", "--dtype", "fp32"], capsys)
+    assert code == 2 and "processor_config.json is unreadable" in single_error_line(err)
+    assert not (tmp_path / "again").exists()
