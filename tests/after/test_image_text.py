@@ -145,3 +145,21 @@ def test_processor_files_are_read_through_links_validated_and_written_plain(worl
     code, _, err = run_cli(["merge", "--adapter", run, "--base", copy, "--output", tmp_path / "again", "--dtype", "fp32"], capsys)
     assert code == 2 and "processor_config.json is unreadable" in single_error_line(err)
     assert not (tmp_path / "again").exists()
+
+
+# --- export --------------------------------------------------------------------------------------------
+def test_gguf_export_writes_the_language_model_and_says_the_mmproj_is_not_written(world, tmp_path, capsys):
+    pytest.importorskip("gguf", reason="the gguf package is an optional extra (lora-tune[export])")
+    _, run, merged = world["llava"]
+    for source, where in ((run, "the base's own mmproj GGUF fits"), (merged, f"convert_hf_to_gguf.py --mmproj on {merged}")):
+        out = tmp_path / f"{source.name}.gguf"
+        code, _, err = run_cli(["export", source, "--format", "gguf", "--output", out], capsys)
+        assert code == 0, err
+        (line,) = [x for x in err.splitlines() if "mmproj" in x]
+        assert line.startswith(f"export: llava is an image-text model: {out.name} holds its language model (llama) only")
+        assert "are not written" in line and where in line
+        assert "verify: logits through transformers' GGUF loader" in err  # the language model read back and compared
+    code, _, err = run_cli(["export", world["gemma3"][2], "--format", "gguf", "--output", tmp_path / "g.gguf"], capsys)
+    line = single_error_line(err)
+    assert code == 2 and "gemma3 is an image-text model" in line and "mmproj" in line and "gemma3_text" in line
+    assert not (tmp_path / "g.gguf").exists()

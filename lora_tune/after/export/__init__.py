@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from lora_tune.after.export import gguf as gguf_format
-from lora_tune.after.export import gguf_check, gguf_lora, ollama
+from lora_tune.after.export import gguf_check, gguf_lora, image_text, ollama
 from lora_tune.after.export.files import Source, check_output, open_source, put_in_place
 from lora_tune.after.options import ExportConfig
 from lora_tune.errors import UserError
@@ -42,8 +42,9 @@ def run(cfg: ExportConfig):
             f"--format {cfg.format}: the adapter adapts fused tensors ({', '.join(source.adapter_config['target_parameters'])}); "
             "merge first (`lora-tune merge`), then serve the merged folder with vLLM or transformers"
         )
-    family = gguf_format.family_of(source.config)
-    planned = gguf_format.plan_tensors(source.config, family, [(t.name, t.shape) for t in source.tensors], cfg.quant)
+    model = image_text.exported(source, cfg.format, out)  # an image-text model: its language model (said in one line)
+    family, by_name = model.family, source.by_name
+    planned = gguf_format.plan_tensors(model.config, family, [(n, by_name[d].shape) for n, d in model.names.items()], cfg.quant)
     name = f"{source.config.get('model_type', 'model')}-{source.folder.name}"
     if family.general_name_hint and family.general_name_hint not in name.lower():
         name = f"{family.general_name_hint}-{name}"
@@ -52,14 +53,13 @@ def run(cfg: ExportConfig):
     tmp.mkdir(parents=True)
     try:
         gguf_path = tmp / "model.gguf"
-        by_name = source.by_name
         t0 = time.perf_counter()
         gguf_format.write(
             gguf_path,
-            source.config,
+            model.config,
             family,
             planned,
-            lambda t: source.produce(by_name[t.hf_name]).float(),
+            lambda t: source.produce(by_name[model.names[t.hf_name]]).float(),
             source.tokenizer_dir,
             cfg.quant,
             name,
@@ -68,13 +68,14 @@ def run(cfg: ExportConfig):
         seconds = time.perf_counter() - t0
         log.info("wrote %s: %d tensors, %.2f GB (%s) in %.1fs", out.name, len(planned), gguf_path.stat().st_size / 1e9, cfg.quant, seconds)
         result = (
-            verify(gguf_path, source, family, planned, cfg)
+            verify(gguf_path, source, model.config, family, planned, cfg)
             if cfg.verify
             else gguf_check.RoundTrip(len(planned), notes=["not verified (--no-verify)"])
         )
         result.seconds = seconds
+        result.notes[:0] = model.notes
         if cfg.format == "ollama":
-            ollama.write_modelfile(tmp, source.tokenizer_dir, source.config, "model.gguf")
+            ollama.write_modelfile(tmp, source.tokenizer_dir, model.config, "model.gguf")
             if cfg.verify:
                 ollama.check_modelfile(tmp / "Modelfile", source.tokenizer_dir)
             put_in_place(tmp, out)
@@ -96,10 +97,11 @@ def run(cfg: ExportConfig):
     return result
 
 
-def verify(path: Path, source: Source, family, planned, cfg: ExportConfig):
+def verify(path: Path, source: Source, config: dict, family, planned, cfg: ExportConfig):
     """Read back (tensors, shapes, metadata), tokenizer ids, and - up to 100M parameters - logits of
-    transformers' GGUF loader vs the merged model on fixed prompts."""
-    gguf_check.check_file(path, planned, source.config, family)
+    transformers' GGUF loader vs the merged model on fixed prompts. `config`: the exported model's
+    (an image-text model's language model: its text config; the logits are the whole model's on text)."""
+    gguf_check.check_file(path, planned, config, family)
     result = gguf_check.RoundTrip(len(planned))
     result.token_ids_equal = gguf_check.check_tokenizer(path, source.tokenizer_dir)
     if not result.token_ids_equal:
@@ -115,15 +117,15 @@ def verify(path: Path, source: Source, family, planned, cfg: ExportConfig):
         )
         log.info("verify: %s", result.notes[-1])
         return result
-    ids = gguf_check.fixed_prompts(source.tokenizer_dir, source.config["vocab_size"])
+    ids = gguf_check.fixed_prompts(source.tokenizer_dir, config["vocab_size"])
     want = source.reference(ids)
-    config, filled = gguf_check.reading_config(path, source.config)
+    reading, filled = gguf_check.reading_config(path, config)
     if filled:
         result.notes.append(
             f"transformers' GGUF reader has no key for {', '.join(filled)} on this architecture: taken from the source for the logits check"
         )
         log.info("verify: %s", result.notes[-1])
-    got = gguf_check.gguf_logits(path, ids, config)
+    got = gguf_check.gguf_logits(path, ids, reading)
     gguf_check.compare(got, want, cfg.quant, result)
     log.info(
         "verify: logits through transformers' GGUF loader vs the merged model: max diff %.2e (relative %.2e), greedy "
