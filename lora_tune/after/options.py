@@ -147,7 +147,8 @@ class CheckServingConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     source: str = Field(
-        description="A training run's output folder (adapter_config.json + adapter_model.safetensors) or any PEFT LoRA adapter."
+        description="A training run's output folder (adapter_config.json + adapter_model.safetensors), any PEFT LoRA adapter, or a "
+        "merged model folder (`lora-tune merge`: its tokenizer and, for image-text models, processor files are checked)."
     )
     engine: Literal["vllm", "llama.cpp", "ollama"] = Field("vllm", description="The serving engine to check the adapter against.")
     base: str | None = Field(

@@ -3,7 +3,10 @@ same rules before training with `--serve-with` (`check_config`), so nobody finds
 
 Each rule names its source. Engines refuse some adapters at load time and - worse - accept some and
 ignore them: vLLM loads LoRA on fused MoE expert tensors (peft `target_parameters`) as a silent
-no-op, so the served model is the base. For those the answer is: merge, then serve the merged model.
+no-op, so the served model is the base, and on an image-text model it adapts the language model only,
+ignoring LoRA on the vision tower and projector. For those the answer is: merge, then serve the
+merged model. A merged folder is checked too (`check_merged`): what the engine reads besides the
+weights (an image-text model's processor files).
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lora_tune.after import vision
 from lora_tune.after.merge.reading import read_adapter
-from lora_tune.errors import UserError
+from lora_tune.errors import UserError, first_line
+from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
 
 log = logging.getLogger("lora_tune")
@@ -45,6 +50,9 @@ class AdapterFacts:
     has_patterns: bool = False  # rank_pattern / alpha_pattern
     model_type: str = ""
     at_train_time: bool = False  # messages name flags instead of adapter fields
+    # An image-text base: the modules outside its language model (vision tower, projector) the adapter
+    # changes (from the adapter's tensors); at train time, ["--train-vision"] when that is asked for.
+    vision_modules: list[str] = field(default_factory=list)
 
     @classmethod
     def from_adapter_config(cls, config: dict, model_type: str) -> AdapterFacts:
@@ -70,7 +78,20 @@ class AdapterFacts:
             target_parameters=list(targets.parameters) if targets else [],
             model_type=model_type,
             at_train_time=True,
+            vision_modules=["--train-vision"]
+            if getattr(cfg, "train_vision", False) and vision.is_image_text({"model_type": model_type})
+            else [],
         )
+
+
+def _named(modules: list[str]) -> str:
+    return f"{modules[0]}" + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
+
+
+def _vision(facts: AdapterFacts) -> str:
+    if facts.at_train_time:
+        return "--train-vision adapts the vision tower / projector"
+    return f"this adapter changes {len(facts.vision_modules)} modules of the vision tower / projector ({_named(facts.vision_modules)})"
 
 
 def _merge_then_serve(facts: AdapterFacts) -> str:
@@ -119,6 +140,17 @@ def vllm_problems(facts: AdapterFacts) -> list[str]:
             f"vLLM loads LoRA on fused expert tensors ({', '.join(facts.target_parameters)}) as a silent no-op (vLLM PR #41384): "
             f"the served model would be the base; {_merge_then_serve(facts)}"
         )
+    # vllm/lora/model_manager.py: on a multimodal model, a LoRA module of the tower or connector
+    # (get_mm_mapping) is skipped with "vLLM currently only supports adding LoRA to language model, X
+    # will be ignored"; the experimental --enable-tower-connector-lora (recent vLLM, some models) lifts it.
+    if facts.vision_modules:
+        problems.append(
+            f"vLLM's LoRA applies to an image-text model's language model only and ignores LoRA on its vision tower / projector "
+            f"(model_manager: 'only supports adding LoRA to language model, ... will be ignored'): {_vision(facts)}, which would be "
+            f"served as the base's; "
+            + ("drop --train-vision" if facts.at_train_time else "merge (`lora-tune merge`), then serve the merged model")
+            + " (or try vLLM's experimental --enable-tower-connector-lora, where the model supports it)"
+        )
     # PEFTHelper.from_dict keeps only the fields it declares (r, lora_alpha, target_modules, ...):
     # rank_pattern / alpha_pattern are dropped, so those modules get the global alpha / r scale.
     if facts.has_patterns:
@@ -158,6 +190,17 @@ def llama_cpp_problems(facts: AdapterFacts) -> list[str]:
     if embedded:
         problems.append(
             f"LoRA on {', '.join(embedded)} is not exported as a llama.cpp adapter; export the merged model instead (`--format gguf`)"
+        )
+    # llama.cpp keeps an image-text model's vision tower and projector in a separate mmproj GGUF, which
+    # takes no LoRA (llama-adapter.cpp applies adapters to the language model's tensors).
+    if facts.vision_modules:
+        problems.append(
+            f"a llama.cpp LoRA adapter applies to the language model only, never to the vision projector (mmproj) file: {_vision(facts)}; "
+            + (
+                "drop --train-vision"
+                if facts.at_train_time
+                else "merge, and make the mmproj from the merged model (llama.cpp's convert_hf_to_gguf.py --mmproj)"
+            )
         )
     return problems
 
@@ -219,28 +262,111 @@ class ServingReport:
 
 
 def run(cfg) -> ServingReport:
-    """`lora-tune check-serving RUN_DIR --engine E`: reads adapter_config.json (and the base's
-    config.json for the family), nothing heavy. Refusals are one `error:` line (exit 2)."""
+    """`lora-tune check-serving RUN_DIR --engine E`: reads adapter_config.json, the adapter's tensor
+    names and the base's config.json (the family; an image-text model's parts), nothing heavy; a
+    merged folder: `check_merged`. Refusals are one `error:` line (exit 2)."""
     folder = Path(cfg.source).expanduser()
+    if folder.is_dir() and not (folder / "adapter_config.json").is_file() and (folder / "config.json").is_file():
+        return check_merged(cfg.engine, folder)
     adapter_config, weights = read_adapter(folder)
     base = cfg.base or adapter_config.get("base_model_name_or_path") or ""
-    facts = AdapterFacts.from_adapter_config(adapter_config, base_model_type(base))
-    # The weights say what the config may not: DoRA magnitudes, trained copies (modules_to_save).
+    base_config = config_of(base)
+    facts = AdapterFacts.from_adapter_config(adapter_config, base_config.get("model_type", ""))
+    # The weights say what the config may not: DoRA magnitudes, trained copies (modules_to_save), and
+    # which modules they change (a target pattern can reach an image-text model's vision tower).
     facts.dora = facts.dora or any("lora_magnitude_vector" in k for k in weights)
+    facts.vision_modules = vision.vision_modules(base_config, weights)
     problems = problems_for(cfg.engine, facts)
     if problems:
         raise UserError(f"check-serving {cfg.engine}: " + "; ".join(problems))
     command = how_to_serve(cfg.engine, facts, base, str(folder))
-    print(f"{cfg.engine}: this adapter serves (rank {facts.rank}, {', '.join(facts.target_modules)})")
+    # A target pattern (an image-text model's language model, anchored) is shown as the modules it reached.
+    shown = facts.target_modules
+    if isinstance(adapter_config.get("target_modules"), str):
+        shown = sorted({m.rsplit(".", 1)[-1] for m in vision.adapted_modules(weights)})
+    print(f"{cfg.engine}: this adapter serves (rank {facts.rank}, {', '.join(shown)})")
     print(f"serve it with: {command}")
     return ServingReport(cfg.engine, [], command)
 
 
-def base_model_type(base: str) -> str:
-    """model_type of the base, from its config.json (aliases ship theirs); '' when unknown offline."""
+def config_of(base: str) -> dict:
+    """The base's config.json (aliases ship theirs); {} when unknown offline (a hub id: the family
+    rules can't be applied, llama.cpp/ollama say so)."""
     if base in ALIASES:
-        return architecture(base).get("model_type", "")
-    config = Path(base).expanduser() / "config.json"
-    if config.is_file():
-        return json.loads(config.read_text()).get("model_type", "")
-    return ""  # a hub id offline: the family rules can't be applied (llama.cpp/ollama say so)
+        return architecture(base)
+    path = Path(base).expanduser() / "config.json"
+    return read_config(path, "--base") if path.is_file() else {}
+
+
+def read_config(path: Path, option: str) -> dict:
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
+        raise UserError(f"{option}: {path} is unreadable or not JSON ({first_line(e)}); restore it from the model's source") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{option}: {path} holds a JSON {type(config).__name__}, not a model config")
+    return config
+
+
+# --- a merged folder ---------------------------------------------------------------------------------
+def text_model_type(config: dict) -> str:
+    """The language model's model_type: an image-text model's text config's, else the model's own."""
+    if not vision.is_image_text(config):
+        return config.get("model_type", "")
+    obj = vision.config_object(config)
+    return obj.get_text_config().model_type if obj is not None else (config.get("text_config") or {}).get("model_type", "")
+
+
+def processor_problems(folder: Path) -> list[str]:
+    """vLLM builds an image-text model's inputs with the folder's own processor (AutoProcessor): its
+    files must be there and readable, beside the tokenizer's."""
+    problems = []
+    for name in vision.PROCESSOR_FILES:
+        path = folder / name
+        if path.exists() or path.is_symlink():
+            try:
+                if not isinstance(json.loads(path.read_bytes()), dict):
+                    raise ValueError("not a JSON object")
+            except (OSError, ValueError) as e:
+                problems.append(f"{path} is unreadable or not a processor's JSON ({first_line(e)}); copy it again from the base")
+    if not any((folder / name).is_file() for name in vision.IMAGE_PROCESSOR_FILES):
+        problems.append(
+            f"vLLM builds an image-text model's image inputs with the folder's processor (AutoProcessor), and {folder} has no "
+            f"{' or '.join(vision.IMAGE_PROCESSOR_FILES)}; merge again with `lora-tune merge` (it copies the base's processor files) "
+            "or copy them from the base"
+        )
+    return problems
+
+
+def check_merged(engine: str, folder: Path) -> ServingReport:
+    """A merged model folder (config.json + safetensors, no adapter): what the engine reads besides the
+    weights. vLLM: the tokenizer and, for an image-text model, the processor files. llama.cpp / Ollama:
+    a family `lora-tune export` writes (an image-text model's language model; its vision projector,
+    llama.cpp's mmproj, is never written by it)."""
+    config = read_config(folder / "config.json", "check-serving")
+    if shards.shard_files(folder) is None:
+        raise UserError(f"check-serving: {folder} has no .safetensors weights; give a folder written by `lora-tune merge`")
+    image_text = vision.is_image_text(config)
+    problems = (
+        [] if (folder / "tokenizer_config.json").is_file() else [f"{folder} has no tokenizer (tokenizer_config.json); copy the base's"]
+    )
+    text_type = text_model_type(config)
+    if engine == "vllm" and image_text:
+        problems += processor_problems(folder)
+    elif engine != "vllm" and text_type not in LLAMA_CPP_FAMILIES:
+        problems.append(
+            f"{text_type or 'this'} language models have no GGUF export here (exported: {', '.join(LLAMA_CPP_FAMILIES)}); serve the merged "
+            "folder with vLLM or transformers"
+        )
+    if problems:
+        raise UserError(f"check-serving {engine}: " + "; ".join(problems))
+    mmproj = " (image input also needs the vision projector, which export never writes: llama.cpp's mmproj file)" if image_text else ""
+    command = {
+        "vllm": f"vllm serve {folder}",
+        "llama.cpp": f"lora-tune export {folder} --format gguf --output model.gguf, then llama-server -m model.gguf{mmproj}",
+        "ollama": f"lora-tune export {folder} --format ollama --output ollama, then ollama create NAME -f ollama/Modelfile{mmproj}",
+    }[engine]
+    kind = "image-text, processor files present" if image_text and engine == "vllm" else config.get("model_type", "")
+    print(f"{engine}: this merged model serves ({kind})")
+    print(f"serve it with: {command}")
+    return ServingReport(engine, [], command)

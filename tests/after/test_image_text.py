@@ -7,17 +7,22 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from peft import PeftModel
 from PIL import Image
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from lora_tune.after.merge import applying
+from lora_tune.after.serving import check_config
 from lora_tune.after.vision import PROCESSOR_FILES
 from lora_tune.cli import main
+from lora_tune.config import TrainConfig
+from lora_tune.errors import UserError
+from lora_tune.models.targets import Targets
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
 
 from helpers import TEXT, fast_train_args, run_cli, single_error_line, write_jsonl
@@ -163,3 +168,64 @@ def test_gguf_export_writes_the_language_model_and_says_the_mmproj_is_not_writte
     line = single_error_line(err)
     assert code == 2 and "gemma3 is an image-text model" in line and "mmproj" in line and "gemma3_text" in line
     assert not (tmp_path / "g.gguf").exists()
+
+
+# --- check-serving -------------------------------------------------------------------------------------
+def adapter_on(folder: Path, base: Path, modules: list[str]) -> Path:
+    """A LoRA adapter folder whose tensors adapt `modules` (the rules read names, never the model)."""
+    folder.mkdir(parents=True)
+    config = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"], "base_model_name_or_path": str(base)}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    tensors = {f"base_model.model.{m}.lora_{p}.weight": torch.zeros(4, 4) for m in modules for p in "AB"}
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+LANGUAGE = "model.language_model.layers.0.self_attn.q_proj"
+TOWER = "model.vision_tower.encoder.layers.0.self_attn.q_proj"
+PROJECTOR = "model.multi_modal_projector.linear_1"
+
+
+def test_vllm_and_llama_cpp_refuse_lora_on_the_vision_tower_or_projector(world, tmp_path, capsys):
+    base = world["llava"][0]
+    for i, modules in enumerate(([LANGUAGE, TOWER], [LANGUAGE, PROJECTOR])):
+        adapter = adapter_on(tmp_path / f"a{i}", base, modules)
+        code, _, err = run_cli(["check-serving", adapter, "--engine", "vllm"], capsys)
+        line = single_error_line(err)
+        assert code == 2 and "language model only" in line and modules[1] in line and "merge (`lora-tune merge`)" in line
+        code, _, err = run_cli(["check-serving", adapter, "--engine", "llama.cpp"], capsys)
+        assert code == 2 and "never to the vision projector (mmproj)" in single_error_line(err)
+    # The language model alone serves, also under an older checkpoint layout's names (not the tower's).
+    for i, module in enumerate((LANGUAGE, "language_model.model.layers.0.self_attn.q_proj")):
+        code, out, err = run_cli(["check-serving", adapter_on(tmp_path / f"lm{i}", base, [module]), "--engine", "vllm"], capsys)
+        assert code == 0 and "this adapter serves" in out, err
+    code, out, err = run_cli(["check-serving", world["gemma3"][1], "--engine", "vllm"], capsys)  # a trained run
+    assert code == 0 and "this adapter serves" in out, err
+
+
+def test_serve_with_vllm_refuses_train_vision_on_an_image_text_model(world):
+    base = world["gemma3"][0]
+    targets = Targets(("q_proj", "v_proj"))
+    cfg = TrainConfig(base=str(base), data=["x.jsonl"], output_dir="out", serve_with="vllm", train_vision=True)
+    with pytest.raises(UserError) as raised:
+        check_config(cfg, targets, "gemma3")
+    assert str(raised.value).startswith("--serve-with vllm: ") and "drop --train-vision" in str(raised.value)
+    check_config(cfg, targets, "llama")  # a text model has no vision tower: nothing to refuse
+    check_config(cfg.model_copy(update={"train_vision": False}), targets, "gemma3")
+
+
+def test_a_merged_folder_needs_its_processor_files_for_vllm(world, tmp_path, capsys):
+    code, out, err = run_cli(["check-serving", world["gemma3"][2], "--engine", "vllm"], capsys)
+    assert code == 0 and f"serve it with: vllm serve {world['gemma3'][2]}" in out, err
+    merged = tmp_path / "merged"
+    shutil.copytree(world["gemma3"][2], merged)
+    (merged / "processor_config.json").unlink()
+    code, _, err = run_cli(["check-serving", merged, "--engine", "vllm"], capsys)
+    assert code == 2 and "has no processor_config.json or preprocessor_config.json" in single_error_line(err)
+    (merged / "processor_config.json").write_text("{not json")
+    code, _, err = run_cli(["check-serving", merged, "--engine", "vllm"], capsys)
+    assert code == 2 and "processor_config.json is unreadable" in single_error_line(err)
+    code, _, err = run_cli(["check-serving", world["gemma3"][2], "--engine", "llama.cpp"], capsys)
+    assert code == 2 and "gemma3_text language models have no GGUF export" in single_error_line(err)
+    code, out, err = run_cli(["check-serving", world["llava"][2], "--engine", "llama.cpp"], capsys)
+    assert code == 0 and "--format gguf" in out and "mmproj" in out, err
