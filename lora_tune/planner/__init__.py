@@ -2,8 +2,9 @@
 
 Everything is computed from config.json alone (shipped for aliases), never from weights. One module
 per step: `architecture` (shapes from a meta skeleton), `memory` (bytes per device and host; the
-backends say how states are split and offloaded), `speed` (relative throughput), `search`
-(`--auto`), `hardware` (GPU names and sizes) and `render` (tables, commands, advice).
+backends say how states are split and offloaded), `vision` (an image-text model's tower and images),
+`speed` (relative throughput), `search` (`--auto`), `hardware` (GPU names and sizes) and `render`
+(tables, commands, advice).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def compute(cfg) -> Plan:
             setup = fewest_checkpointed(arch, setup, budget)
         est = estimate(arch, setup)
         text = render.table(est, setup, gpu_bytes, cpu_bytes, arch.layers)
-    for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch)):
+    for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch), render.vision_note(arch, setup)):
         text = f"{text}\n{note}" if note else text
     return Plan(est, fits(est, gpu_bytes, cpu_bytes), setup, bool(cfg.auto), recommended, text)
 

@@ -19,6 +19,7 @@ from lora_tune.errors import UserError, first_line
 from lora_tune.models.aliases import ALIASES, architecture, looks_like_path, resolve_base
 from lora_tune.models.structure import block_modules, linear_name, meta_model, recurrent_layers
 from lora_tune.models.targets import ROUTERS, Inventory, block_path, is_plain_linear, peft_accepted, resolve_targets
+from lora_tune.planner.vision import VisionTower, read_tower
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,10 @@ class Architecture:
     tensors: tuple[tuple[str, tuple[int, ...]], ...]  # (path in a block, shape): fused expert tensors, routers
     inventory: Inventory
     total: int  # every parameter
-    other_params: int  # not in a linear weight: embeddings, head, norms, biases, experts, routers
+    other_params: int  # of the language model and head, not in a block's linear weight: embeddings, norms, biases, experts, routers
     quantized: str | None = None  # the quant_method of a checkpoint that ships quantized weights (fp8, mxfp4)
     recurrent: int = 0  # layers with a recurrent/convolution state (linear attention, SSM) instead of attention
+    vision: VisionTower | None = None  # an image-text model's vision tower and projector (lora_tune.planner.vision)
 
     @classmethod
     def from_config(cls, c: dict) -> Architecture:
@@ -69,7 +71,7 @@ def _architecture(config_json: str) -> Architecture:
             "only causal LMs that transformers implements (no remote code) can be planned"
         ) from None
     # The language model's blocks only: an image-text wrapper's vision tower is counted in `total`
-    # but never adapted.
+    # and in `vision`, adapted only with --train-vision.
     linears, tensors = [], []
     for name, m in block_modules(skeleton):
         if is_plain_linear(m):
@@ -103,6 +105,8 @@ def _architecture(config_json: str) -> Architecture:
             f"--base: {model_type} has no hidden size in its config; the planner models decoders of hidden-size wide layers only"
         )
     heads = get("num_attention_heads", "n_head") or 0  # 0: no attention at all (Mamba)
+    inventory = peft_adaptable(config, Inventory.of(skeleton))
+    vision = read_tower(config, skeleton)  # last: it replaces the skeleton's linear layers with bitsandbytes'
     return Architecture(
         model_type=model_type,
         hidden=hidden,
@@ -117,11 +121,12 @@ def _architecture(config_json: str) -> Architecture:
         active_experts=get("num_experts_per_tok") or 1,
         linears=tuple(linears),
         tensors=tuple(tensors),
-        inventory=peft_adaptable(config, Inventory.of(skeleton)),
+        inventory=inventory,
         total=total,
-        other_params=total - sum(a * b for _, a, b in linears),
+        other_params=total - sum(a * b for _, a, b in linears) - (vision.params if vision else 0),
         quantized=(c.get("quantization_config") or {}).get("quant_method"),
         recurrent=recurrent_layers(config),
+        vision=vision,
     )
 
 

@@ -34,6 +34,8 @@
   [sequences x vocab] scores (compute dtype, and three fp32 copies while sampling). Generation and
   training never hold their working sets at the same time: the plan counts the larger, and shows
   generation's excess over training's activations as `generation`.
+* Image-text models: the vision tower's weights (`vision_tower`), and a micro-batch's images (pixel
+  values, the tower's forward) in `images`: lora_tune.planner.vision.
 * Loading: bases under ZeRO-3 and FSDP2 are partitioned while they load (zero.Init, or layer by
   layer), so loading never holds more than a shard plus a layer; otherwise each process streams the
   checkpoint shard by shard.
@@ -49,6 +51,7 @@ from lora_tune.engines import registry as engines
 from lora_tune.engines.spec import ModelStates
 from lora_tune.models.head import auto_chunk_size
 from lora_tune.models.targets import resolve_targets
+from lora_tune.planner import vision
 from lora_tune.planner.architecture import Architecture
 from lora_tune.training.objectives import registry as objectives
 
@@ -87,6 +90,8 @@ class Setup:
     # and eager get a [tokens x tokens] mask per row from transformers; flash-attention and
     # sequence parallelism's attention (ulysses_*) none.
     attention: str = "flash_attention_2"
+    max_pixels: int = 1024 * 1024  # --max-pixels: image-text models' largest image (lora_tune.planner.vision)
+    train_vision: bool = False  # --train-vision: LoRA on the vision tower, its activations kept for backward
 
     @property
     def world(self) -> int:
@@ -147,6 +152,8 @@ def setup_from(cfg, attention: str | None = None) -> Setup:
         reference=objective.reference,
         new_tokens=cfg.max_new_tokens if objective.online else 0,
         rollout_sequences=cfg.micro_batch_size * cfg.grad_accum if objective.online else 0,
+        max_pixels=cfg.max_pixels,
+        train_vision=cfg.train_vision,
     )
 
 
@@ -170,6 +177,16 @@ def base_weight_bytes(arch: Architecture, precision: str) -> tuple[int, int]:
     return linears + dense * arch.other_params, in_blocks // arch.layers
 
 
+def vision_weight_bytes(arch: Architecture, precision: str) -> int:
+    """The vision tower and projector as loaded: bitsandbytes quantizes their linear layers too."""
+    tower = arch.vision
+    if tower is None:
+        return 0
+    quantized = tower.quantized if precision in ("8bit", "4bit") else ()
+    dense = (4 if precision == "fp32" else 2) * (tower.params - sum(a * b for a, b in quantized))
+    return dense + sum(quantized_weight_bytes(a, b, precision) for a, b in quantized)
+
+
 def lora_tensors(arch: Architecture, setup: Setup) -> list[int]:
     """Element counts of every LoRA tensor: A (r x in) and B (out x r) per targeted linear; for a
     fused expert tensor (E, out, in) peft's ParamWrapper stacks one rank-r pair per expert."""
@@ -183,7 +200,7 @@ def lora_tensors(arch: Architecture, setup: Setup) -> list[int]:
         if path in targets.parameters:
             experts, (n_out, n_in) = (shape[0], shape[1:]) if len(shape) == 3 else (1, shape)
             sizes += [r * experts * n_in, n_out * r * experts]
-    return sizes
+    return sizes + vision.lora_tensors(arch.vision, setup, set(targets.modules))
 
 
 def optimizer_bytes(tensors: list[int], optim: str) -> int:
@@ -376,16 +393,17 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
     states = model_states(arch, setup)
     placed = spec.place(states, setup.zero, setup.offload, setup.world)
     device = placed.device
+    tower_device, tower_host = vision.placed(spec, states, setup, vision_weight_bytes(arch, setup.precision)) if arch.vision else (0, 0)
     host = {
         "offloaded_optimizer_bytes": placed.host_optimizer * setup.gpus,
-        "offloaded_weights_bytes": placed.host_weights * setup.gpus,
+        "offloaded_weights_bytes": (placed.host_weights + tower_host) * setup.gpus,
         "offloaded_activations_bytes": (
             setup.gpus * recomputed_layers(arch, setup) * ELEMENT[setup.precision] * arch.hidden * setup.tokens
             if setup.activation_offload
             else 0
         ),
         # Each process streams the checkpoint shard by shard (or layer by layer, which is less).
-        "loading_bytes": setup.gpus * min(SHARD_BYTES, base_weight_bytes(arch, "bf16")[0]),
+        "loading_bytes": setup.gpus * min(SHARD_BYTES, base_weight_bytes(arch, "bf16")[0] + vision_weight_bytes(arch, "bf16")),
     }
     host["total_bytes"] = sum(host.values())
     saved_act, peak_act = activation_bytes(arch, setup)
@@ -394,11 +412,17 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
     overhead = CUDA_CONTEXT + ELEMENT[setup.precision] * states.trainable_params
     per_device = {
         "weights_bytes": device.weights,
+        **({"vision_tower_bytes": tower_device} if arch.vision else {}),
         "trainable_bytes": device.trainable,
         "gradients_bytes": device.gradients,
         "optimizer_bytes": device.optimizer,
         "activations_bytes": peak_act,
         "logits_bytes": peak_logits,
+        **(
+            {"images_bytes": vision.images_bytes(arch.vision, setup, ELEMENT[setup.precision], peak_act + peak_logits)}
+            if arch.vision
+            else {}
+        ),
         # Generation's working set where it exceeds training's (they never coexist).
         **({"generation_bytes": max(0, generation_bytes(arch, setup) - peak_act - peak_logits)} if setup.rollout_sequences else {}),
         "overhead_bytes": overhead,

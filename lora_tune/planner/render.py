@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from lora_tune.engines import registry as engines
 from lora_tune.models.loading import unquantized_experts
-from lora_tune.planner import speed
+from lora_tune.planner import speed, vision
 from lora_tune.planner.architecture import Architecture
-from lora_tune.planner.memory import GIB, Estimate, Setup
+from lora_tune.planner.memory import ELEMENT, GIB, Estimate, Setup
 
 OOM_ADVICE = [
     "a smaller --micro-batch-size with a larger --grad-accum (same effective batch)",
@@ -94,6 +94,10 @@ def train_command(base: str, setup: Setup) -> str:
         parts.append(f"--sequence-parallel {setup.sequence_parallel}")
     if setup.mlp_tiles > 1:
         parts.append("--tiled-mlp on")
+    if setup.max_pixels != Setup.max_pixels:
+        parts.append(f"--max-pixels {setup.max_pixels}")
+    if setup.train_vision:
+        parts.append("--train-vision")
     flags = engines.BACKENDS[setup.backend].flags(setup.zero)
     if flags:
         parts += [" ".join(flags), f"--offload {setup.offload}"]
@@ -121,3 +125,8 @@ def recurrent_note(arch: Architecture) -> str | None:
         f"note: {arch.recurrent} of {arch.layers} layers of {arch.model_type} keep a recurrent state (linear attention / SSM) instead of "
         "attention; their activations are estimated as an attention layer's of the same width (approximate)"
     )
+
+
+def vision_note(arch: Architecture, setup: Setup) -> str | None:
+    """What the plan assumed about an image-text model's images (lora_tune.planner.vision)."""
+    return vision.note(arch.vision, setup, ELEMENT[setup.precision])

@@ -115,6 +115,8 @@ def memory_plan(cfg: TrainConfig, device: torch.device, pass_tokens: int | None 
     planned = estimate(arch, setup)
     need, have = planned.per_device["total_bytes"], device_memory_bytes(device)
     log.info("memory plan: %.2f GiB of %.2f GiB on %s", need / GIB, have / GIB, device)
+    if arch.vision is not None:
+        log.info("memory plan, %s", render.vision_note(arch, setup).removeprefix("note: "))
     if need > have:
         message = (
             f"the memory plan needs {need / GIB:.1f} GiB but {device} has {have / GIB:.1f} GiB; "
