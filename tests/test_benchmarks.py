@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -117,3 +118,21 @@ def test_long_context_gpu_script_runs_both_routes_on_a_tiny_shape(tmp_path):
     }
     for result in runs[0]["results"].values():
         assert result["tokens"] > 0 and result["losses"]
+
+
+def test_vlm_vs_trl_trains_both_routes_on_a_tiny_image_text_model(tmp_path):
+    argv = [sys.executable, "benchmarks/vlm_vs_trl.py", "--tiny", "--workdir", str(tmp_path), "--json", str(tmp_path / "vlm.json")]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [row[0].removeprefix("| ") for row in rows] == ["lora-tune train", "TRL SFTTrainer"]
+    assert rows[0][7] == rows[1][7] != "0"  # the same LoRA parameters on both routes
+    for row in rows:
+        wall, tokens_per_second, peak = float(row[1]), float(row[4].replace(",", "")), float(row[6].replace(",", ""))
+        assert wall > 0 and tokens_per_second > 0 and peak > 0 and math.isfinite(float(row[8].removesuffix(" |")))
+    results = json.loads((tmp_path / "vlm.json").read_text())["results"]
+    for result in results.values():  # both trained: every step's loss finite, the same steps and tokens
+        assert len(result["losses"]) == 2 and all(math.isfinite(loss) for loss in result["losses"])
+    assert results["lora-tune train"]["tokens"] == results["TRL SFTTrainer"]["tokens"] > 0
+    ratio = next(line for line in proc.stdout.splitlines() if line.startswith("lora-tune vs TRL SFTTrainer:"))
+    assert "x (whole process)" in ratio and "x (training)" in ratio and "peak RSS" in ratio
