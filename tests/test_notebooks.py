@@ -36,7 +36,14 @@ def images(nb) -> int:
 
 
 def test_notebooks_are_stored_without_outputs_and_install_in_colab():
-    assert {p.name for p in NOTEBOOKS} == {"quickstart.ipynb", "plan_70b.ipynb", "merge_and_serve.ipynb", "preference.ipynb", "grpo.ipynb"}
+    assert {p.name for p in NOTEBOOKS} == {
+        "quickstart.ipynb",
+        "plan_70b.ipynb",
+        "merge_and_serve.ipynb",
+        "preference.ipynb",
+        "grpo.ipynb",
+        "vision_language.ipynb",
+    }
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         assert all(not c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code"), path.name
@@ -97,3 +104,19 @@ def test_grpo(tmp_path, monkeypatch):
     assert re.search(r"step \d+: reward [\d.]+, advantage [+-][\d.]+: ", text)
     assert "reward: " in text and " -> " in text  # the report's summary line
     assert images(nb) >= 1 and (tmp_path / "grpo_curves.png").is_file() and (tmp_path / "grpo" / "report.png").is_file()
+
+
+def test_vision_language(tmp_path, monkeypatch):
+    """A tiny image-text model trained on drawn pictures through the API: the images shown, the base
+    and trained answers, the metrics, the verified merge loaded with AutoProcessor +
+    AutoModelForImageTextToText generating what base + adapter generate."""
+    nb = execute(ROOT / "notebooks" / "vision_language.ipynb", tmp_path, monkeypatch)
+    text = text_of(nb)
+    assert "processor_config.json" in text and '"type": "image"' in text
+    assert text.count("before: ") == 4 and text.count("after:  ") == 4 and text.count("merged: ") == 4
+    first, last = map(float, re.search(r"\d+ steps, loss ([\d.]+) -> ([\d.]+)", text).groups())
+    assert last < first, (first, last)
+    assert re.search(r"\d of 4 colours named", text) and "tokens/s" in text
+    assert "verified: drift" in text and "merged answers equal base + adapter's: True" in text
+    assert images(nb) >= 2 and (tmp_path / "vision_curves.png").is_file()  # the pictures and the live plot
+    assert (tmp_path / "merged" / "model.safetensors").is_file() and (tmp_path / "merged" / "processor_config.json").is_file()
