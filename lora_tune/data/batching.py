@@ -25,10 +25,10 @@ Under `--sequence-parallel N` the ranks of a group share each micro-batch, each 
 row (`shard_rows`).
 
 Image-text data trains unpacked; a micro-batch carries its rows' images as the model's pixel inputs
-(decoded here, once per use). A micro-batch without images carries one blank image and says so
-(`vision_dummy`): the loss runs the vision tower on it and discards the result, so every rank runs
-the tower once per micro-batch, whatever its rows hold (ZeRO-3 gathers the tower's weights
-collectively: a rank that skipped it would leave the others waiting forever).
+(decoded here, once per use). A micro-batch without images carries one blank image that nothing
+attends to (`with_images`), so every rank runs the same modules in the same order whatever its rows
+hold (ZeRO-3 gathers the tower's weights collectively and checks that ranks trace the same modules:
+a rank that skipped the tower would leave the others waiting forever).
 """
 
 from __future__ import annotations
@@ -174,15 +174,22 @@ def _sequences(sample) -> list[tuple[list[int], list[int]]]:
 BLANK_SIDE = 56  # pixels: the smallest image every processor takes (Qwen-style grids merge 2 x 2 patches of 14)
 
 
-def image_inputs(samples: list, input_ids: torch.Tensor, image_text) -> dict[str, torch.Tensor]:
-    """The pixel inputs of the samples' images (in order) and the token types the model wants; a
-    blank image marked `vision_dummy` when they have none."""
+def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text) -> dict[str, torch.Tensor]:
+    """`inputs` (unpacked rows) with the pixel inputs of the samples' images, in order, and the token
+    types the model wants. Without any image, a blank one is added after the first row's end, its
+    tokens unattended (attention mask 0) and untrained: the model runs exactly as on every other
+    micro-batch (embeddings, vision tower, projector, decoder, in that order, on every rank), and the
+    real tokens' outputs are those of the text alone (nothing attends to padding)."""
     files = [f for s in samples for f in s.images]
-    if files:
-        out = image_text.pixel_inputs([images.load(f, f, image_text.max_pixels, image_text.min_pixels) for f in files])
-    else:
-        out = {**image_text.pixel_inputs([Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))]), "vision_dummy": torch.ones(())}
-    return {**out, **image_text.token_type_inputs(input_ids)}
+    pictures = [images.load(f, f, image_text.max_pixels, image_text.min_pixels) for f in files]
+    if not pictures:
+        pictures = [Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))]
+        blank = torch.tensor(image_text.expand(image_text.placeholder, pictures), dtype=torch.long)
+        rows, n = inputs["input_ids"].shape[0], blank.numel()
+        extra = {"input_ids": 0, "labels": IGNORE, "attention_mask": 0}
+        inputs = {**inputs, **{k: torch.cat([inputs[k], inputs[k].new_full((rows, n), v)], dim=1) for k, v in extra.items()}}
+        inputs["input_ids"][0, -n:] = blank
+    return {**inputs, **image_text.pixel_inputs(pictures), **image_text.token_type_inputs(inputs["input_ids"])}
 
 
 def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, image_text=None) -> MicroBatch:
@@ -227,8 +234,8 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, im
         lengths = torch.tensor([sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows])
         inputs["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     row_tokens = tuple(sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows)
-    if image_text is not None:
-        inputs.update(image_inputs(list({id(s): s for row in rows for _, s in row}.values()), ids, image_text))
+    if image_text is not None and not packed:
+        inputs = with_images(inputs, list({id(s): s for row in rows for _, s in row}.values()), image_text)
     if not units:
         return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count}, row_tokens=row_tokens)
     samples = list(dict.fromkeys(id(s) for row in rows for _, s in row))  # each unit once, in order

@@ -46,6 +46,21 @@ def checkpointed_layers(model) -> list:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def _output_requires_grad(module, inputs, output):
+    output.requires_grad_(True)
+
+
+def require_grads_from_text_embeddings(model) -> None:
+    """The checkpointed layers' inputs require grad (the reentrant path some remote-code models use
+    needs it), from the language model's embedding output only. peft and transformers call
+    `enable_input_require_grads()`, which in an image-text model hooks every sub-model's embeddings,
+    the frozen vision tower's patch embedding too: autograd then keeps every tower block's
+    activations, and under ZeRO-3 the rank whose micro-batch held an image gathers the tower again
+    in backward while the others don't (a hang)."""
+    model.disable_input_require_grads()
+    model.get_input_embeddings().register_forward_hook(_output_requires_grad)
+
+
 def enable_checkpointing(model, checkpointing: Checkpointing, offload: bool) -> None:
     # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
     # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
@@ -56,7 +71,7 @@ def enable_checkpointing(model, checkpointing: Checkpointing, offload: bool) -> 
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.enable_input_require_grads()
+    model.disable_input_require_grads()  # its hooks reach a vision tower: see require_grads_from_text_embeddings
     if checkpointing.kept_layers:
         # The layers' own switch (GradientCheckpointingLayer.gradient_checkpointing): the last ones
         # run plainly and keep their activations.
@@ -77,6 +92,8 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     if checkpointing.enabled:
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
     peft_model = get_peft_model(model, lora_config(cfg, targets))
+    if checkpointing.enabled:
+        require_grads_from_text_embeddings(model)
     check_adapted(wanted, peft_model, cfg.rank)
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed

@@ -24,8 +24,6 @@ import torch
 
 from lora_tune.models.structure import decoder_body, multimodal_body
 
-TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")  # image-text inputs that are not the images
-
 IGNORE = -100  # the label of a position with no loss (prompt, padding): PyTorch's and transformers' convention
 
 
@@ -251,24 +249,14 @@ def shifted_hidden(
     """([positions, hidden], [positions]): the decoder's last hidden states and the token each one
     predicts (position t predicts token t + 1, shifted within each row), rows flattened.
 
-    `vision` (image-text data: pixel inputs and token types, `lora_tune.data.batching.image_inputs`):
-    the image-text model's body runs, its vision tower's features in place of the image tokens; a
-    micro-batch without images brings a blank one (`vision_dummy`), run through the tower and
-    discarded, so every rank runs the tower once per micro-batch."""
+    `vision` (image-text data: pixel inputs and token types, `lora_tune.data.batching.with_images`):
+    the image-text model's body runs, its vision tower's features in place of the image tokens."""
     base = peft_model.get_base_model()
-    kwargs = {}
-    if vision:
-        body = multimodal_body(base)
-        vision = dict(vision)
-        if vision.pop("vision_dummy", None) is not None:
-            with torch.no_grad():
-                body.get_image_features(**{k: v for k, v in vision.items() if k not in TOKEN_TYPE_INPUTS})
-            vision = {k: v for k, v in vision.items() if k in TOKEN_TYPE_INPUTS}
-        kwargs = vision
-    else:
-        body = decoder_body(base)  # the decoder without its head (in an image-text wrapper: the language model's)
+    # The decoder without its head (in an image-text wrapper: the language model's), or with images
+    # the body that runs the tower first.
+    body = multimodal_body(base) if vision else decoder_body(base)
     # No KV cache: with one, transformers stops reading packed sequences from position_ids.
     hidden = body(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **(vision or {})
     ).last_hidden_state
     return hidden[:, :-1].reshape(-1, hidden.shape[-1]), labels[:, 1:].reshape(-1)

@@ -18,8 +18,9 @@ import torch
 from transformers import AutoProcessor
 
 from lora_tune.errors import UserError, first_line
-from lora_tune.models.head import TOKEN_TYPE_INPUTS  # 1 on image tokens, 0 elsewhere
 from lora_tune.models.structure import is_image_text, meta_model, multimodal_body
+
+TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")  # 1 on image tokens, 0 elsewhere
 
 
 def _image_token_ids(config) -> set[int]:

@@ -136,11 +136,16 @@ def test_micro_batches_carry_their_images_or_a_blank_one_for_the_tower(bases, pi
     samples = [Sample(out["input_ids"][i], out["labels"][i], out["starts"][i], images=out["images"][i]) for i in range(2)]
     batch = collate([[s] for s in samples], 0, packed=False, image_text=image_text)
     assert batch.inputs["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4]]  # 56 x 42 -> a 4 x 4 patch grid each
-    assert batch.inputs["pixel_values"].shape[0] == 32 and "vision_dummy" not in batch.inputs
+    assert batch.inputs["pixel_values"].shape[0] == 32 and batch.inputs["input_ids"].shape[1] == len(samples[0].input_ids)
     assert torch.equal(batch.inputs["mm_token_type_ids"], (batch.inputs["input_ids"] == 512).long())
     text = Sample(samples[0].input_ids[:3], samples[0].labels[:3])
     blank = collate([[text]], 0, packed=False, image_text=image_text)
-    assert "vision_dummy" in blank.inputs and blank.inputs["image_grid_thw"].shape == (1, 3)
+    ids, mask, labels = blank.inputs["input_ids"], blank.inputs["attention_mask"], blank.inputs["labels"]
+    # A blank image after the row's end: its tokens unattended and untrained, the text's untouched.
+    assert ids[0, :3].tolist() == text.input_ids and ids.shape[1] > 3 and (ids[0, 3:] == 512).sum() == 4
+    assert mask[0].tolist() == [1, 1, 1] + [0] * (ids.shape[1] - 3) and (labels[0, 3:] == IGNORE).all()
+    assert blank.inputs["image_grid_thw"].tolist() == [[1, 4, 4]]
+    assert blank.label_tokens == collate([[text]], 0, packed=False).label_tokens
 
 
 def test_the_cache_notices_a_replaced_image(bases, pictures, tmp_path):

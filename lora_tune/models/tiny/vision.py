@@ -5,8 +5,10 @@ parts the way the family's real template does. Saved with `save_pretrained` (wei
 files, chat template), so everything after goes through the real `AutoProcessor` /
 `AutoModelForImageTextToText` loading.
 
-Families: `qwen2_vl` (multimodal rotary positions), `gemma3` (a projector, token type ids, fixed
-image size), `qwen3_5` (the 2026 Qwen wrapper: Qwen3-VL's processor, linear-attention layers).
+Families: `paddleocr_vl` (multimodal rotary positions, a Qwen-style grid of merged patches),
+`gemma3` (a projector, token type ids, fixed image size), `llava` (a projector, repeated `<image>`).
+Qwen-VL, Qwen3.5, Gemma 4, Mistral 3 and Llama 4 processors need torchvision (their video or fast
+image processors), which this machine's CPU build of torch has no working wheel for.
 """
 
 from __future__ import annotations

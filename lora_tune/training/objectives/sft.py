@@ -44,7 +44,7 @@ class CausalLMLoss(torch.nn.Module):
         position_ids=None,
         shifted_labels=None,
         row_position_ids=None,
-        **vision,  # image-text data: pixel inputs and token types (lora_tune.data.batching.image_inputs)
+        **vision,  # image-text data: pixel inputs and token types (lora_tune.data.batching.with_images)
     ):
         if shifted_labels is not None:  # this rank's slice of every row (--sequence-parallel: lora_tune.data.batching.shard_rows)
             hidden = shard_hidden(self.peft_model, input_ids, position_ids, row_position_ids, self.sequence_group)
@@ -56,7 +56,7 @@ class CausalLMLoss(torch.nn.Module):
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 num_items_in_batch=num_items_in_batch,
-                **{k: v for k, v in vision.items() if k != "vision_dummy"},
+                **vision,
             ).loss
         else:
             hidden, targets = shifted_hidden(self.peft_model, input_ids, labels, attention_mask, position_ids, vision)

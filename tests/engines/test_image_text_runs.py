@@ -1,0 +1,55 @@
+"""Image-text training on 2 gloo ranks, ZeRO-3 and FSDP2, over a file that mixes rows with and without
+images: micro-batches of one row, so at some steps one rank holds an image and the other none (the
+blank image keeps the vision tower's gathers in step). Both finish and equal one process with the
+micro-batches accumulated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from lora_tune.models.tiny.vision import build_tiny_image_text_model
+from tests.helpers import adapter_tensors, fast_train_args, run_cli, run_jobs, step_losses, write_jsonl
+
+pytest.importorskip("deepspeed")
+
+ARGS = dict(max_steps=3, micro_batch_size=1, dropout=0.0, lr=2e-2, data_cache=False)
+RUNS = {"zero3": dict(zero=3), "fsdp": dict(backend="fsdp")}
+
+
+def row(colour: str, image: bool) -> dict:
+    user = [{"type": "text", "text": "What colour is this?"}, *([{"type": "image", "image": f"img/{colour}.png"}] if image else [])]
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": f"It is {colour}."}]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("image-text-ranks")
+    (root / "img").mkdir()
+    colours = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+    for name, rgb in colours.items():
+        Image.new("RGB", (64, 48), rgb).save(root / "img" / f"{name}.png")
+    data = write_jsonl(root / "mixed.jsonl", [row(c, image) for c in colours for image in (True, False)])
+    base = build_tiny_image_text_model("gemma3", root / "base")
+    jobs = [
+        {"argv": fast_train_args(base, data, root / name, **ARGS, grad_accum=1, **kw), "stderr": str(root / f"{name}.err")}
+        for name, kw in RUNS.items()
+    ]
+    results = run_jobs(jobs, root)
+    return {"root": root, "base": base, "data": data, "codes": {name: r["code"] for name, r in zip(RUNS, results)}}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_two_ranks_with_mixed_image_rows_equal_one_process(runs, name, capsys):
+    root = runs["root"]
+    assert runs["codes"][name] == 0, (root / f"{name}.err").read_text()[-3000:]
+    one = root / "one-process"
+    if not one.exists():
+        code, _, err = run_cli(fast_train_args(runs["base"], runs["data"], one, **ARGS, grad_accum=2), capsys)
+        assert code == 0, err
+    assert step_losses(root / name) == pytest.approx(step_losses(one), rel=1e-5)
+    mine, reference = adapter_tensors(root / name), adapter_tensors(one)
+    assert mine.keys() == reference.keys()
+    for key, tensor in reference.items():
+        assert torch.allclose(mine[key], tensor, atol=1e-5 * float(tensor.norm()) + 1e-8), key
