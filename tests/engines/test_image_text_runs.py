@@ -10,12 +10,18 @@ import torch
 from PIL import Image
 
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
-from tests.helpers import adapter_tensors, fast_train_args, run_cli, run_jobs, step_losses, write_jsonl
+from tests.helpers import adapter_tensors, fast_train_args, read_metrics, run_cli, run_jobs, step_losses, write_jsonl
 
 pytest.importorskip("deepspeed")
 
 ARGS = dict(max_steps=3, micro_batch_size=1, dropout=0.0, lr=2e-2, data_cache=False)
 RUNS = {"zero3": dict(zero=3), "fsdp": dict(backend="fsdp")}
+# How far each adapter may be from one process's, relative to the tensor's norm. ZeRO-3 averages
+# gradients in another order (fp32 rounding, 1e-7 of the gradient norm: pinned below), and AdamW's
+# update divides each gradient by its own magnitude, so elements whose gradient is near AdamW's eps
+# move by up to lr on rounding alone: measured 2.5e-3 with these images, 7e-4 on the same rows
+# without them (not an image effect). FSDP2 sums in one process's order: 3e-6 measured.
+ADAPTER_TOLERANCE = {"zero3": 5e-3, "fsdp": 1e-5}
 
 
 def row(colour: str, image: bool) -> dict:
@@ -49,7 +55,10 @@ def test_two_ranks_with_mixed_image_rows_equal_one_process(runs, name, capsys):
         code, _, err = run_cli(fast_train_args(runs["base"], runs["data"], one, **ARGS, grad_accum=2), capsys)
         assert code == 0, err
     assert step_losses(root / name) == pytest.approx(step_losses(one), rel=1e-5)
+    assert [m["grad_norm"] for m in read_metrics(root / name) if "grad_norm" in m] == pytest.approx(
+        [m["grad_norm"] for m in read_metrics(one) if "grad_norm" in m], rel=1e-6
+    )
     mine, reference = adapter_tensors(root / name), adapter_tensors(one)
     assert mine.keys() == reference.keys()
     for key, tensor in reference.items():
-        assert torch.allclose(mine[key], tensor, atol=1e-5 * float(tensor.norm()) + 1e-8), key
+        assert torch.allclose(mine[key], tensor, atol=ADAPTER_TOLERANCE[name] * float(tensor.norm())), key
