@@ -17,10 +17,8 @@ a micro-batch's images, and the tower's forward.
   one tile per image.
 * The pixel values (fp32, as the processor gives them) live through the step.
 * The tower's forward, frozen (the default): nothing in it needs a gradient, so autograd keeps
-  nothing of it (the training design; under gradient checkpointing, enable_input_require_grads
-  also hooks the tower's patch embedding, which makes it keep every block's: an xfail in the tests
-  pins this);
-  its working memory is one block's at a time, before the language model's layers run, and it
+  nothing of it (with gradient checkpointing too: the adapter requires grads from the language
+  model's embeddings only, tested); its working memory is one block's at a time, before the language model's layers run, and it
   counts where it exceeds their activations and logits. Per patch, measured on a CPU
   (tests/planner/test_vision.py) for SigLIP, CLIP, Qwen2-VL's and Pixtral's towers:
     the patch's pixel values in the compute dtype        C p^2 t       (t: temporal_patch_size)

@@ -18,7 +18,8 @@ from lora_tune.models.head import IGNORE
 from lora_tune.models.loading import load_config, load_tokenizer
 from lora_tune.models.processors import load_image_text
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
-from tests.helpers import data_config, write_jsonl
+
+from helpers import data_config, write_jsonl
 
 FAMILIES = ("gemma3", "llava", "paddleocr_vl")
 

@@ -10,7 +10,8 @@ import torch
 from PIL import Image
 
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
-from tests.helpers import adapter_tensors, fast_train_args, read_metrics, run_cli, run_jobs, step_losses, write_jsonl
+
+from helpers import adapter_tensors, fast_train_args, read_metrics, run_cli, run_jobs, step_losses, write_jsonl
 
 pytest.importorskip("deepspeed")
 

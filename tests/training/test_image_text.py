@@ -19,7 +19,8 @@ from lora_tune.models.loading import load_config, load_tokenizer
 from lora_tune.models.processors import load_image_text
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
 from lora_tune.training.objectives.sft import CausalLMLoss
-from tests.helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, write_jsonl
+
+from helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, write_jsonl
 
 FAMILIES = ("paddleocr_vl", "gemma3", "llava")
 COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
