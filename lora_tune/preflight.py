@@ -45,6 +45,7 @@ from lora_tune.models.loading import (
 )
 from lora_tune.models.processors import load_image_text
 from lora_tune.models.shards import base_fingerprint
+from lora_tune.models.structure import is_image_text
 from lora_tune.models.targets import lora_targets
 from lora_tune.planner.run_plan import memory_plan
 from lora_tune.training import compilation
@@ -189,6 +190,9 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
             reason,
         )
         cfg = cfg.model_copy(update={"gradient_checkpointing": "off"})
+    if cfg.train_vision:
+        what = "LoRA on the vision tower and projector is not built yet" if is_image_text(config) else "the base is a text-only model"
+        raise UserError(f"--train-vision: {what}; leave it out (the vision tower trains frozen)")
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)

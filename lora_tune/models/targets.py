@@ -21,7 +21,7 @@ from transformers.pytorch_utils import Conv1D
 from lora_tune.errors import UserError, first_line
 from lora_tune.models.checkpoint_layout import natural_order
 from lora_tune.models.loading import unquantized_experts
-from lora_tune.models.structure import anchored_pattern, block_modules, body_path, linear_name, meta_model, model_class
+from lora_tune.models.structure import anchored_pattern, block_modules, body_path, is_image_text, linear_name, meta_model, model_class
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -429,6 +429,12 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
     targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg), meta)
     check_loads_back(config, cfg, targets, meta)
     log.info("LoRA targets: %s", targets.describe(skeleton))
+    if targets.scope is not None and is_image_text(config):
+        shared = sorted(set(targets.modules) & set(inventory.elsewhere))
+        log.info(
+            "LoRA targets: %s also name layers outside the language model (vision tower / projector), which stay frozen and unadapted",
+            ", ".join(shared),
+        )
     fused = sum(p.numel() for p in skeleton.parameters() if p.dim() == 3)
     note = unquantized_experts(cfg.precision, fused, sum(p.numel() for p in skeleton.parameters()))
     if note:

@@ -20,7 +20,7 @@ from lora_tune.models.processors import load_image_text
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
 from lora_tune.training.objectives.sft import CausalLMLoss
 
-from helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, write_jsonl
+from helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, single_error_line, write_jsonl
 
 FAMILIES = ("paddleocr_vl", "gemma3", "llava")
 COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
@@ -112,8 +112,16 @@ def test_training_reaches_the_image_and_never_adapts_the_vision_tower(world, cap
         losses[name] = [m["loss"] for m in read_metrics(root / f"out-{name}") if "loss" in m]
         adapters[name] = adapter_tensors(root / f"out-{name}")
         assert ("packing off: rows with images train in padded batches" in out + err) == (name != "no-images")
+        assert "k_proj, q_proj, v_proj also name layers outside the language model (vision tower / projector)" in out + err
     assert losses["images"][0] != losses["other-images"][0] != losses["no-images"][0]
     assert all(not torch.equal(adapters["images"][k], adapters["other-images"][k]) for k in adapters["images"] if "lora_B" in k)
     keys = list(adapters["images"])
     assert keys and all("language_model" in k for k in keys)
     assert not any(part in k for k in keys for part in ("vision_tower", "multi_modal_projector", "vision_model"))
+
+
+def test_train_vision_is_refused_in_one_line(world, capsys, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [row("red", str(world["root"] / "img/red.png"))])
+    code, _, err = run_cli(fast_train_args(world["bases"]["gemma3"], data, tmp_path / "out", train_vision=True), capsys)
+    assert code == 2 and single_error_line(err).startswith("error: --train-vision: LoRA on the vision tower and projector is not built")
+    assert not (tmp_path / "out").exists()
