@@ -17,7 +17,8 @@ from lora_tune.config import TrainConfig
 from lora_tune.data.prepare import prepare_data
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.head import IGNORE
-from lora_tune.models.loading import load_tokenizer
+from lora_tune.models.loading import load_config, load_tokenizer
+from lora_tune.models.processors import load_image_text
 from lora_tune.training.objectives import registry as objectives
 
 
@@ -39,8 +40,10 @@ def show_samples(data, base: str, n: int = 3, max_seq_len: int = 2048, **options
     cfg = TrainConfig(
         base=base, data=data if isinstance(data, list) else str(data), output_dir="unused", max_seq_len=max_seq_len, **options
     )
-    tokenizer = load_tokenizer(resolve_base(base), cfg.trust_remote_code)
-    prepared = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objectives.of(cfg)))
+    base_path = resolve_base(base)
+    tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
+    image_text = load_image_text(base_path, load_config(base_path, cfg.trust_remote_code), cfg)  # image rows: their image tokens
+    prepared = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objectives.of(cfg)), image_text)
     names = SEQUENCE_NAMES.get(objectives.of(cfg).data, ())
     pages = []
     for i in range(min(n, len(prepared.train))):

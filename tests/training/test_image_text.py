@@ -18,6 +18,7 @@ from lora_tune.data.tokenize import Tokenize
 from lora_tune.models.loading import load_config, load_tokenizer
 from lora_tune.models.processors import load_image_text
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
+from lora_tune.notebook import show_samples
 from lora_tune.training.objectives.sft import CausalLMLoss
 
 from helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, single_error_line, write_jsonl
@@ -125,3 +126,9 @@ def test_train_vision_is_refused_in_one_line(world, capsys, tmp_path):
     code, _, err = run_cli(fast_train_args(world["bases"]["gemma3"], data, tmp_path / "out", train_vision=True), capsys)
     assert code == 2 and single_error_line(err).startswith("error: --train-vision: LoRA on the vision tower and projector is not built")
     assert not (tmp_path / "out").exists()
+
+
+def test_notebooks_show_image_rows_with_their_image_tokens_untrained(world, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [row("red", str(world["root"] / "img/red.png"))])
+    (page,) = show_samples(data, str(world["bases"]["gemma3"]), n=1, data_cache=False)
+    assert page.count('<span style="color:#999">&lt;image_soft_token&gt;</span>') == 4 and "color:#0a7d2c" in page
