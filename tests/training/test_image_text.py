@@ -132,3 +132,11 @@ def test_notebooks_show_image_rows_with_their_image_tokens_untrained(world, tmp_
     data = write_jsonl(tmp_path / "d.jsonl", [row("red", str(world["root"] / "img/red.png"))])
     (page,) = show_samples(data, str(world["bases"]["gemma3"]), n=1, data_cache=False)
     assert page.count('<span style="color:#999">&lt;image_soft_token&gt;</span>') == 4 and "color:#0a7d2c" in page
+
+
+def test_a_missing_image_is_one_error_line_before_anything_is_written(world, capsys, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [row("red", str(world["root"] / "img/red.png")), row("blue", "img/nowhere.png")])
+    code, _, err = run_cli(fast_train_args(world["bases"]["llava"], data, tmp_path / "out"), capsys)
+    line = single_error_line(err)
+    assert code == 2 and line.startswith(f"error: --data {data}: row 2: image img/nowhere.png not found"), line
+    assert not (tmp_path / "out").exists()
