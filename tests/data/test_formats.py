@@ -94,10 +94,13 @@ def test_tool_calls_need_a_template_that_renders_them(tokenizer):
         tokenize_one(tokenizer, "messages", {"messages": messages})
 
 
-def test_image_parts_are_refused_by_row(tokenizer):
+def test_image_parts_for_a_text_only_base_are_refused_by_row(tokenizer):
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}, {"role": "assistant", "content": "a cat"}]
-    with pytest.raises(UserError, match="d.jsonl: row 1: messages\\[0\\]: a content part of type 'image_url'"):
+    with pytest.raises(UserError, match="d.jsonl: row 1: the row has images but --base is a text-only model"):
         tokenize_one(tokenizer, "messages", {"messages": messages})
+    audio = [{"role": "user", "content": [{"type": "audio", "audio": "x.wav"}]}, {"role": "assistant", "content": "a cat"}]
+    with pytest.raises(UserError, match="d.jsonl: row 1: messages\\[0\\]: a content part of type 'audio'"):
+        tokenize_one(tokenizer, "messages", {"messages": audio})
 
 
 def test_chat_without_template_uses_documented_fallback(tiny_model_no_template):
