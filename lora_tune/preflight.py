@@ -43,7 +43,7 @@ from lora_tune.models.loading import (
     pick_device,
     quant_method,
 )
-from lora_tune.models.processors import load_image_text
+from lora_tune.models.processors import ImageText, load_image_text
 from lora_tune.models.shards import base_fingerprint
 from lora_tune.models.structure import is_image_text
 from lora_tune.models.targets import lora_targets
@@ -200,9 +200,19 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     levers = speed_levers(cfg, config, device)
     eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message) if cfg.eval_prompts else []
     image_text = load_image_text(base_path, config, cfg)
+    if isinstance(image_text, ImageText) and not tokenizer.chat_template and image_text.processor.chat_template:
+        tokenizer.chat_template = image_text.processor.chat_template  # kept with the processor only (chat_template.json)
     data = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objective), image_text)
-    if data.images:
-        log.info("images: %d of %d training rows hold images (at most %d pixels each)", data.images, len(data.train), cfg.max_pixels)
+    if any(data.images):
+        train_images, eval_images = data.images
+        log.info(
+            "images: %d of %d training and %d of %d evaluation rows hold images (at most %d pixels each)",
+            train_images,
+            len(data.train),
+            eval_images,
+            len(data.eval),
+            cfg.max_pixels,
+        )
         if levers.packing:
             attention = attention_implementation(cfg.model_copy(update={"packing": False}), config, device)
             log.info("packing off: rows with images train in padded batches (attention: %s)", attention)
@@ -254,5 +264,5 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         out_of_memory_advice=plan.out_of_memory_advice if plan else (),
         score_tasks=score_tasks,
         rewards=rewards,
-        image_text=image_text if data.images else None,
+        image_text=image_text if any(data.images) else None,
     )

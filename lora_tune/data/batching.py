@@ -174,14 +174,17 @@ def _sequences(sample) -> list[tuple[list[int], list[int]]]:
 BLANK_SIDE = 56  # pixels: the smallest image every processor takes (Qwen-style grids merge 2 x 2 patches of 14)
 
 
-def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text) -> dict[str, torch.Tensor]:
+def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text, blank: bool = True) -> dict[str, torch.Tensor]:
     """`inputs` (unpacked rows) with the pixel inputs of the samples' images, in order, and the token
     types the model wants. Without any image, a blank one is added after the first row's end, its
     tokens unattended (attention mask 0) and untrained: the model runs exactly as on every other
     micro-batch (embeddings, vision tower, projector, decoder, in that order, on every rank), and the
-    real tokens' outputs are those of the text alone (nothing attends to padding)."""
+    real tokens' outputs are those of the text alone (nothing attends to padding). `blank` False (one
+    process: no rank to keep in step): an image-less micro-batch is the text alone."""
     files = [f for s in samples for f in s.images]
     pictures = [images.load(f, f, image_text.max_pixels, image_text.min_pixels) for f in files]
+    if not pictures and not blank:  # one process: nothing to keep in step, the text alone
+        return {**inputs, **image_text.token_type_inputs(inputs["input_ids"])}
     if not pictures:
         pictures = [Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))]
         blank = torch.tensor(image_text.expand(image_text.placeholder, pictures), dtype=torch.long)
@@ -192,7 +195,7 @@ def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text) -> d
     return {**inputs, **image_text.pixel_inputs(pictures), **image_text.token_type_inputs(inputs["input_ids"])}
 
 
-def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, image_text=None) -> MicroBatch:
+def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, image_text=None, blank_image: bool = True) -> MicroBatch:
     """Rows of samples (each with input_ids and labels) into tensors, right-padded to the longest
     row. Packed: the sequences of a row are concatenated, each with its own position_ids (restarting
     at 0) and no attention mask (padding is a block of its own). Unpacked: one sequence per row and
@@ -203,7 +206,8 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, im
     (`sequence_ids`, -1 for none), how many label tokens each sequence has, the units' KTO labels
     and, when precomputed, their reference log-probabilities; the loss divides by units.
 
-    `image_text` (image-text data, `lora_tune.models.processors.ImageText`): the rows' images too."""
+    `image_text` (image-text data, `lora_tune.models.processors.ImageText`): the rows' images too, and a
+    blank one for an image-less micro-batch when `blank_image` (several ranks: `with_images`)."""
     if not packed:  # each sequence a row of its own
         rows = [[(seq, s)] for row in rows for s in row for seq in _sequences(s)]
     else:
@@ -235,7 +239,7 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, im
         inputs["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     row_tokens = tuple(sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows)
     if image_text is not None and not packed:
-        inputs = with_images(inputs, list({id(s): s for row in rows for _, s in row}.values()), image_text)
+        inputs = with_images(inputs, list({id(s): s for row in rows for _, s in row}.values()), image_text, blank_image)
     if not units:
         return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count}, row_tokens=row_tokens)
     samples = list(dict.fromkeys(id(s) for row in rows for _, s in row))  # each unit once, in order

@@ -94,7 +94,7 @@ class PreparedData:
     stats: DataStats
     fingerprint: str
     per_source: list[str] = field(default_factory=list)
-    images: int = 0  # image-text rows among the training samples
+    images: tuple[int, int] = (0, 0)  # image-text rows among the training and the evaluation samples
 
 
 def workers(cfg, rows: int) -> int | None:
@@ -111,27 +111,29 @@ def image_folder(source: sources.Source, files: list[Path] | None) -> Path:
     return (path if path.is_dir() else path.parent).resolve()
 
 
-def stale_images(ds) -> str | None:
-    """A fingerprint of the images' current contents when any changed since they were tokenized (a
-    replaced picture retrains: its tokens may differ too), else None."""
-    if "images" not in ds.column_names:
+def stale_images(built, image_text) -> str | None:
+    """For a source with images: a fingerprint of their current contents and of how images are
+    processed now, when either differs from what the cached entry was tokenized with (a replaced
+    picture, another processor or --max-pixels retrains: its tokens may differ), else None."""
+    ds, meta = built
+    if "images" not in ds.column_names or not any(ds["images"]):
         return None
+    processing = image_text.fingerprint() if hasattr(image_text, "fingerprint") else None
     stored, current = [], []
     for paths, hashes in zip(ds["images"], ds["image_hashes"]):
         for path, digest in zip(paths, hashes):
-            now = images.file_hash(Path(path)) if Path(path).is_file() else "missing"
             stored.append(digest)
-            current.append(now)
-    if stored == current:
+            current.append(images.file_hash(Path(path)) if Path(path).is_file() else "missing")
+    if stored == current and meta.get("image_processing") == processing:
         return None
-    return hashlib.sha256(json.dumps(current).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([current, processing]).encode()).hexdigest()[:16]
 
 
 def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
     """(dataset of input_ids/labels/length, meta) for one source, from the cache when it is there.
     `image_text`: the base's processor for image rows (`lora_tune.models.processors`), or None."""
     files = sources.local_files(source)
-    folder = image_folder(source, files)
+    image_dir = image_folder(source, files)
     parts = {
         "data": sources.content_hash(source, files),
         "columns": source.columns,
@@ -141,9 +143,8 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
         "train_on_prompt": cfg.train_on_prompt,
         "system_message": getattr(cfg, "system_message", "auto"),
         "split": [source.config, source.split],
-        "images": [image_text.fingerprint(), str(folder)] if hasattr(image_text, "fingerprint") else None,
     }
-    key = cache.key_of(parts)
+    key = cache.key_of(parts)  # the images' part joins when a row has one (below): text keys stay as they were
 
     def build(workdir):
         """Tokenize the source into `workdir` (None: in memory); its raw Arrow copy lives in a
@@ -159,7 +160,7 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
                 f"{source.option}: {source.label} changed while it was being read; run again once it is no longer being written"
             )
         fmt = formats.detect(raw.column_names, source.label, source.option)
-        fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option, image_text, folder)
+        fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option, image_text, image_dir)
         ints = datasets.Sequence(datasets.Value("int32"))
         features = datasets.Features(
             {
@@ -200,13 +201,14 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
             ds = ds.select([i for i, s in enumerate(status) if s not in dropped], keep_in_memory=workdir is None)
         ds = ds.remove_columns(["status"])
         stats["tokens"] = int(sum(ds["length"]))
-        return ds, {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label}
+        processing = image_text.fingerprint() if hasattr(image_text, "fingerprint") else None
+        return ds, {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label, "image_processing": processing}
 
     root = cache.cache_root(cfg) if getattr(cfg, "data_cache", True) else None
     try:
         built = cache.load_or_build(root, key, build, source.label)
-        changed = stale_images(built[0]) if root is not None else None
-        if changed:  # an image was replaced since: the entry for the images as they are now
+        changed = stale_images(built, image_text) if root is not None else None
+        if changed:  # an image (or the processing of images) changed since: the entry for them as they are now
             key = cache.key_of({**parts, "images_now": changed})
             built = cache.load_or_build(root, key, build, source.label)
         return built
@@ -322,6 +324,6 @@ def prepare_data(cfg, tokenizer, refusal=None, image_text=None) -> PreparedData:
         json.dumps([[m["key"] for _, m in built], [s.weight for s in train_sources], counts, cfg.seed, cfg.eval_split, eval_keys]).encode()
     ).hexdigest()[:16]
     formats_seen = sorted({m["format"] for _, m in built})
-    # Rows with images, in training and evaluation: their micro-batches carry pixel inputs.
-    with_images = sum(1 for ds in (train, eval_ds) if ds is not None for paths in ds["images"] if paths)
-    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, per_source, with_images)
+    # Rows with images, in training and in evaluation: their micro-batches carry pixel inputs.
+    with_images = [sum(1 for paths in ds["images"] if paths) if ds is not None else 0 for ds in (train, eval_ds)]
+    return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, per_source, tuple(with_images))

@@ -84,12 +84,29 @@ class Tokenize:
                 samples.append(flat[at : at + len(row)])
                 at += len(row)
         for row, where, sequences in zip(rows, wheres, samples):
+            for ids, _ in sequences:
+                self._check_no_stray_image_tokens(ids, False, where)
             self._finish(sequences, self.fmt.label(row, where) if self.kind == "unpaired" else None, out)
         return out
 
+    def _check_no_stray_image_tokens(self, ids: list[int], with_images: bool, where: str) -> None:
+        """A row without images whose text holds the model's image token (a literal `<image>`) would
+        reach the model as an image without pixels: refused here, naming the row."""
+        vision = self.image_text
+        if with_images or not hasattr(vision, "image_token_id") or vision.image_token_id not in ids:
+            return
+        raise UserError(
+            f"{where}: its text holds the image token {vision.placeholder!r} but the row gives no image; give the image "
+            "(an image part, or an 'images' column) or remove the token"
+        )
+
     def _image_files(self, row: dict, where: str) -> list[Path]:
         """The row's image files, checked to exist (a format without images: none)."""
-        refs = self.fmt.images(row, where) if hasattr(self.fmt, "images") else []
+        if not hasattr(self.fmt, "images"):
+            if row.get("images"):
+                raise UserError(f"{where}: an 'images' column; images train in sft chat data (messages or conversations) only, for now")
+            return []
+        refs = self.fmt.images(row, where)
         if refs and (self.image_text is None or isinstance(self.image_text, str)):
             raise UserError(
                 self.image_text
@@ -103,6 +120,7 @@ class Tokenize:
         for row, where, paths in zip(rows, wheres, files):
             pieces, templated = self._sequences(row, where, row)[0]
             sequence = self._tokenize_images(pieces, templated, paths, where) if paths else self._tokenize([(pieces, templated)])[0]
+            self._check_no_stray_image_tokens(sequence[0], bool(paths), where)
             self._finish([sequence], None, out, where)
             out["images"][-1] = [str(p) for p in paths] if out["length"][-1] else []
             out["image_hashes"][-1] = [images.file_hash(p) for p in out["images"][-1]]

@@ -17,18 +17,29 @@ import json
 import torch
 from transformers import AutoProcessor
 
-from lora_tune.errors import UserError, first_line
+from lora_tune.errors import first_line
 from lora_tune.models.structure import is_image_text, meta_model, multimodal_body
 
 TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")  # 1 on image tokens, 0 elsewhere
 
 
-def _image_token_ids(config) -> set[int]:
-    """The ids the config names for image placeholders (the expanded tokens, and begin/end markers)."""
+IMAGE_KEYS = ("image", "vision", "boi", "eoi")  # config ids of image tokens and their begin/end markers
+# Processor attributes naming the markers an expansion adds around or inside an image (Pixtral's
+# row breaks and end, Idefics' wrappers).
+MARKER_ATTRIBUTES = ("boi_token", "eoi_token", "image_start_token", "image_end_token", "image_break_token", "fake_image_token")
+
+
+def _image_token_ids(config, processor) -> set[int]:
+    """The ids the config and the processor name for image tokens and their markers."""
     ids = set()
     for key, value in config.to_dict().items():
-        if "image" in key and key.endswith(("_token_id", "_token_index")) and isinstance(value, int):
+        if any(k in key for k in IMAGE_KEYS) and key.endswith(("_token_id", "_token_index")) and isinstance(value, int):
             ids.add(value)
+    tokenizer = processor.tokenizer
+    for name in MARKER_ATTRIBUTES:
+        token = getattr(processor, name, None) or getattr(tokenizer, name, None)
+        if isinstance(token, str) and token in tokenizer.get_vocab():
+            ids.add(tokenizer.convert_tokens_to_ids(token))
     return ids
 
 
@@ -40,9 +51,9 @@ class ImageText:
         self.placeholder = processor.image_token  # what the chat template writes once per image
         image_key = next((k for k in ("image_token_id", "image_token_index") if isinstance(getattr(config, k, None), int)), None)
         if image_key is None:
-            raise UserError(f"{config.model_type}: the config names no image token id; image-text training can't find its image tokens")
+            raise ValueError("the config names no image token id (image_token_id / image_token_index)")
         self.image_token_id = getattr(config, image_key)  # the tokens the vision features replace
-        self.masked_ids = _image_token_ids(config) | {processor.tokenizer.convert_tokens_to_ids(self.placeholder)}
+        self.masked_ids = _image_token_ids(config, processor) | {processor.tokenizer.convert_tokens_to_ids(self.placeholder)}
         self.max_pixels, self.min_pixels = max_pixels, min_pixels
         self.pixel_keys = [k for k in processor.model_input_names if k not in ("input_ids", "attention_mask", *TOKEN_TYPE_INPUTS)]
         # Processors that return multimodal token types say so by a flag, not in model_input_names.
@@ -85,7 +96,10 @@ def load_image_text(base_path: str, config, cfg) -> ImageText | str | None:
         return f"--base {cfg.base}: its image processor can't be loaded ({first_line(e)[:160]}); the folder needs the processor files"
     if not hasattr(processor, "image_processor") or not getattr(processor, "image_token", None):
         return f"--base {cfg.base}: its processor ({type(processor).__name__}) has no image processor or image token"
-    if multimodal_body(meta_model(config)) is None:
-        apart = f"{config.model_type} keeps its vision tower apart from the decoder"
-        return f"--base {cfg.base}: {apart}; training on its images is not supported yet"
-    return ImageText(processor, config, cfg.max_pixels, cfg.min_pixels)
+    try:
+        if multimodal_body(meta_model(config)) is None:
+            apart = f"{config.model_type} keeps its vision tower apart from the decoder"
+            return f"--base {cfg.base}: {apart}; training on its images is not supported yet"
+        return ImageText(processor, config, cfg.max_pixels, cfg.min_pixels)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # said only when a row brings an image
+        return f"--base {cfg.base}: its images can't be prepared for training ({first_line(e)[:160]})"

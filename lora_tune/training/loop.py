@@ -80,6 +80,7 @@ class TrainingLoop:
             self.inputs.levers.packing,
             self.inputs.objective.units,
             self.inputs.image_text,
+            blank_image=dist.world_size() > 1,  # ranks run the vision tower in step (lora_tune.data.batching.with_images)
         )
         group = self.sequence_group
         return shard_rows(batch, group.size, group.index, self.pad_id) if group else batch

@@ -118,7 +118,10 @@ def check_resume_compatible(cfg: TrainConfig, data: PreparedData, checkpoint_dir
     state = ckpt.read_trainer_state(checkpoint_dir / "trainer_state.json")
     saved = state.get("math_config", {})
     now = math_config(cfg)
-    differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    # A setting the checkpoint doesn't record (an option added since it was written) computed what
+    # its default computes.
+    missing = {k: field.default for k, field in type(cfg).model_fields.items() if k in now and k not in saved}
+    differing = [k for k in sorted(set(saved) | set(now)) if saved.get(k, missing.get(k)) != now.get(k)]
     if state.get("data_fingerprint") != data.fingerprint:
         differing.append("data content (fingerprint)")
     if state.get("base_fingerprint") and base:

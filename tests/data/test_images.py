@@ -84,9 +84,15 @@ def test_both_styles_give_the_processors_own_tokens_with_images_untrained(bases,
     trained = [t for t in labels if t != IGNORE]
     assert trained and image_text.image_token_id not in trained
     assert a["images"] == [[str((pictures / "img/red.png").resolve())]] and len(a["image_hashes"][0][0]) == 24
-    # Even with the prompt trained, image tokens carry no label.
+    # TRL's style: image parts without a file, the files in an `images` column, in order.
+    trl = typed("img/red.png")
+    del trl["messages"][0]["content"][0]["image"]
+    assert tokenize(bases[family], "messages", [{**trl, "images": ["img/red.png"]}], pictures)["input_ids"] == a["input_ids"]
+    # Even with the prompt trained, image tokens and their begin/end markers carry no label.
     c = tokenize(bases[family], "messages", [typed("img/red.png")], pictures, train_on_prompt=True)
     assert all(c["labels"][0][i] == IGNORE for i in images) and sum(t != IGNORE for t in c["labels"][0]) > len(trained)
+    markers = {"gemma3": [512, 513], "paddleocr_vl": [514, 515], "llava": []}[family]
+    assert all(m in ids for m in markers) and not any(t in markers for t in c["labels"][0])
 
 
 def test_a_cut_never_falls_inside_the_image_tokens(bases, pictures):
@@ -115,7 +121,18 @@ def test_a_cut_never_falls_inside_the_image_tokens(bases, pictures):
         (
             {"messages": [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "x"}]},
             "messages",
-            r"row 1: messages\[0\]: an image part without a file",
+            r"row 1: an image part without a file",
+        ),
+        ({**placeholder("img/red.png"), "images": []}, "sharegpt", r"row 1: 1 <image> placeholder\(s\) in the text but 0 image\(s\)"),
+        (
+            {"messages": [{"role": "user", "content": "<image> what?"}, {"role": "assistant", "content": "x"}]},
+            "messages",
+            r"row 1: its text holds the image token '<image>' but the row gives no image",
+        ),
+        (
+            {"prompt": "<image>Which is better?", "chosen": "a", "rejected": "b", "images": ["img/red.png"]},
+            "preference",
+            r"row 1: an 'images' column; images train in sft chat data",
         ),
     ],
 )
@@ -140,6 +157,8 @@ def test_micro_batches_carry_their_images_or_a_blank_one_for_the_tower(bases, pi
     assert batch.inputs["pixel_values"].shape[0] == 32 and batch.inputs["input_ids"].shape[1] == len(samples[0].input_ids)
     assert torch.equal(batch.inputs["mm_token_type_ids"], (batch.inputs["input_ids"] == 512).long())
     text = Sample(samples[0].input_ids[:3], samples[0].labels[:3])
+    alone = collate([[text]], 0, packed=False, image_text=image_text, blank_image=False)  # one process: the text alone
+    assert alone.inputs["input_ids"].tolist() == [text.input_ids] and "pixel_values" not in alone.inputs
     blank = collate([[text]], 0, packed=False, image_text=image_text)
     ids, mask, labels = blank.inputs["input_ids"], blank.inputs["attention_mask"], blank.inputs["labels"]
     # A blank image after the row's end: its tokens unattended and untrained, the text's untouched.
@@ -159,7 +178,7 @@ def test_the_cache_notices_a_replaced_image(bases, pictures, tmp_path):
     tok = load_tokenizer(str(bases["gemma3"]), False)
     first = prepare_data(cfg, tok, image_text=image_text)
     again = prepare_data(cfg, tok, image_text=image_text)
-    assert again.fingerprint == first.fingerprint and first.images == 2
+    assert again.fingerprint == first.fingerprint and first.images == (2, 0)
     Image.new("RGB", (64, 48), (20, 20, 220)).save(folder / "img" / "a.png")  # same path, another picture
     replaced = prepare_data(cfg, tok, image_text=image_text)
     assert replaced.fingerprint != first.fingerprint

@@ -155,3 +155,17 @@ def test_a_read_only_output_folder_is_one_line_before_loading(tiny_model, data_f
     with tmpfs(tmp_path / "ro", size="1m", read_only=True) as disk:
         code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], disk / "run", max_steps=1), capsys)
     assert code == 2 and "is on a read-only file system; choose another --output-dir" in single_error_line(err)
+
+
+def test_resume_reads_a_setting_the_checkpoint_predates_as_its_default(tiny_model, data_files, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=2, save_steps=2), capsys)[0] == 0
+    state_file = out / "checkpoint-2" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("max_pixels", "min_pixels"):  # options added after such a checkpoint was written
+        del state["math_config"][key]
+    state_file.write_text(json.dumps(state))
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, max_pixels=4096, resume=True), capsys)
+    assert code == 2 and "max_pixels: None -> 4096" in single_error_line(err)
+    code, _, err = run_cli(fast_train_args(tiny_model, data_files["text"], out, max_steps=3, resume=True), capsys)
+    assert code == 0, err

@@ -47,10 +47,7 @@ def content_of(content, where: str, refs: list | None = None):
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind in ("image", "image_url") and refs is not None:
-            ref = _image_ref(part)
-            if ref is None:
-                raise UserError(f"{where}: an image part without a file: give it as {{'type': 'image', 'image': 'path/to.png'}}")
-            refs.append(ref)
+            refs.append(_image_ref(part))  # None: the file comes from an `images` column (TRL's style)
             parts.append({"type": "image"})
         elif kind in ("image", "image_url"):
             raise UserError(f"{where}: an image part; images train in sft chat data (messages or conversations) only, for now")
@@ -94,8 +91,10 @@ def normalise(messages, where: str, key: str = "messages", refs: list | None = N
         clean.append(message)
     if not any(m["role"] == "assistant" for m in clean):
         raise UserError(f"{where}: the conversation has no assistant message, so nothing to train on")
-    if images:
+    if images is not None:
         _column_images(clean, images, where, refs)
+    elif refs is not None and None in refs:
+        raise UserError(f"{where}: an image part without a file: give it as {{'type': 'image', 'image': 'path/to.png'}}")
     return clean
 
 
@@ -105,8 +104,13 @@ def _column_images(messages: list[dict], images, where: str, refs: list | None) 
         raise UserError(f"{where}: an 'images' column; images train in sft chat data (messages or conversations) only, for now")
     if not isinstance(images, list):
         images = [images]
-    if refs:
+    if refs and any(r is not None for r in refs):
         raise UserError(f"{where}: images both as message parts and in an 'images' column; give them one way")
+    if refs:  # image parts without files, the files in the column in order (TRL's style)
+        if len(refs) != len(images):
+            raise UserError(f"{where}: {len(refs)} image part(s) but {len(images)} image(s) in 'images'; give one image per part")
+        refs[:] = images
+        return
     placeholders = sum(m["content"].count(PLACEHOLDER) for m in messages if isinstance(m["content"], str))
     if placeholders != len(images):
         raise UserError(
