@@ -187,11 +187,11 @@ def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text, blan
         return {**inputs, **image_text.token_type_inputs(inputs["input_ids"])}
     if not pictures:
         pictures = [Image.new("RGB", (BLANK_SIDE, BLANK_SIDE))]
-        blank = torch.tensor(image_text.expand(image_text.placeholder, pictures), dtype=torch.long)
-        rows, n = inputs["input_ids"].shape[0], blank.numel()
+        blank_ids = torch.tensor(image_text.expand(image_text.placeholder, pictures), dtype=torch.long)
+        rows, n = inputs["input_ids"].shape[0], blank_ids.numel()
         extra = {"input_ids": 0, "labels": IGNORE, "attention_mask": 0}
         inputs = {**inputs, **{k: torch.cat([inputs[k], inputs[k].new_full((rows, n), v)], dim=1) for k, v in extra.items()}}
-        inputs["input_ids"][0, -n:] = blank
+        inputs["input_ids"][0, -n:] = blank_ids
     return {**inputs, **image_text.pixel_inputs(pictures), **image_text.token_type_inputs(inputs["input_ids"])}
 
 

@@ -116,7 +116,7 @@ def stale_images(built, image_text) -> str | None:
     processed now, when either differs from what the cached entry was tokenized with (a replaced
     picture, another processor or --max-pixels retrains: its tokens may differ), else None."""
     ds, meta = built
-    if "images" not in ds.column_names or not any(ds["images"]):
+    if not meta.get("image_rows"):  # a text source: its rows are never read here
         return None
     processing = image_text.fingerprint() if hasattr(image_text, "fingerprint") else None
     stored, current = [], []
@@ -202,7 +202,9 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
         ds = ds.remove_columns(["status"])
         stats["tokens"] = int(sum(ds["length"]))
         processing = image_text.fingerprint() if hasattr(image_text, "fingerprint") else None
-        return ds, {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label, "image_processing": processing}
+        image_rows = sum(1 for paths in ds["images"] if paths)
+        meta = {"format": fmt.NAME, "stats": stats, "key": key, "source": source.label}
+        return ds, {**meta, "image_rows": image_rows, "image_processing": processing}
 
     root = cache.cache_root(cfg) if getattr(cfg, "data_cache", True) else None
     try:
@@ -304,13 +306,14 @@ def prepare_data(cfg, tokenizer, refusal=None, image_text=None) -> PreparedData:
             "--max-seq-len or use --long-samples truncate"
         )
     train = select([d for d, _ in built], picks)
-    eval_ds, eval_keys = None, []
+    eval_ds, eval_keys, eval_metas = None, [], []
     if cfg.eval_data:
         eval_sources = sources.parse_sources(cfg.eval_data, None, getattr(cfg, "data_columns", None), "--eval-data")
         eval_built = [tokenized_source(s, tokenizer, cfg, image_text) for s in eval_sources]
         if refusal:
             check_kinds(refusal, eval_sources, eval_built)
         eval_keys = [meta["key"] for _, meta in eval_built]
+        eval_metas = [meta for _, meta in eval_built]
         eval_picks, _ = mix([d for d, _ in eval_built], [None] * len(eval_built), cfg.seed)
         eval_ds = select([d for d, _ in eval_built], eval_picks)
     elif cfg.eval_split > 0:
@@ -325,5 +328,6 @@ def prepare_data(cfg, tokenizer, refusal=None, image_text=None) -> PreparedData:
     ).hexdigest()[:16]
     formats_seen = sorted({m["format"] for _, m in built})
     # Rows with images, in training and in evaluation: their micro-batches carry pixel inputs.
-    with_images = [sum(1 for paths in ds["images"] if paths) if ds is not None else 0 for ds in (train, eval_ds)]
+    sources_with_images = any(meta.get("image_rows") for _, meta in built) or any(m.get("image_rows") for m in eval_metas)
+    with_images = [sum(1 for paths in ds["images"] if paths) if ds is not None and sources_with_images else 0 for ds in (train, eval_ds)]
     return PreparedData(Samples(train), Samples(eval_ds), "+".join(formats_seen), stats, fingerprint, per_source, tuple(with_images))

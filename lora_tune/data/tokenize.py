@@ -42,7 +42,9 @@ class Tokenize:
         """`image_text`: the base's processor (`lora_tune.models.processors.ImageText`), None for a text
         base, or why it can't load; `folder`: where image paths are relative to."""
         self.tok = tokenizer
-        self.image_text = image_text
+        # The processor, or None; why there is none when images can't be trained (said when a row has one).
+        self.vision = None if isinstance(image_text, str) else image_text
+        self.no_images = image_text if isinstance(image_text, str) else None
         self.folder = folder or Path.cwd()
         self.fmt = formats.BY_NAME[fmt]
         self.kind = formats.kind(self.fmt)
@@ -92,8 +94,8 @@ class Tokenize:
     def _check_no_stray_image_tokens(self, ids: list[int], with_images: bool, where: str) -> None:
         """A row without images whose text holds the model's image token (a literal `<image>`) would
         reach the model as an image without pixels: refused here, naming the row."""
-        vision = self.image_text
-        if with_images or not hasattr(vision, "image_token_id") or vision.image_token_id not in ids:
+        vision = self.vision
+        if with_images or vision is None or vision.image_token_id not in ids:
             return
         raise UserError(
             f"{where}: its text holds the image token {vision.placeholder!r} but the row gives no image; give the image "
@@ -107,11 +109,9 @@ class Tokenize:
                 raise UserError(f"{where}: an 'images' column; images train in sft chat data (messages or conversations) only, for now")
             return []
         refs = self.fmt.images(row, where)
-        if refs and (self.image_text is None or isinstance(self.image_text, str)):
+        if refs and self.vision is None:
             raise UserError(
-                self.image_text
-                if self.image_text
-                else f"{where}: the row has images but --base is a text-only model; use an image-text base or drop the images"
+                self.no_images or f"{where}: the row has images but --base is a text-only model; use an image-text base or drop the images"
             )
         return [images.resolve(ref, self.folder, where) for ref in refs]
 
@@ -129,7 +129,7 @@ class Tokenize:
     def _tokenize_images(
         self, pieces: list[tuple[str, bool]], templated: bool, paths: list[Path], where: str
     ) -> tuple[list[int], list[int]]:
-        vision = self.image_text
+        vision = self.vision
         pictures = [images.load(p, where, vision.max_pixels, vision.min_pixels) for p in paths]
         ids: list[int] = []
         labels: list[int] = []
@@ -205,8 +205,7 @@ class Tokenize:
         if len(ids) > self.max_len:
             if self.long == "drop":
                 return DROPPED_LONG, [], []
-            masked = self.image_text.masked_ids if where and not isinstance(self.image_text, (str, type(None))) else ()
-            if any(t in masked for t in ids[self.max_len :]):
+            if self.vision is not None and any(t in self.vision.masked_ids for t in ids[self.max_len :]):
                 raise UserError(
                     f"{where}: its image tokens run past --max-seq-len {self.max_len} (the row is {len(ids)} tokens); raise "
                     "--max-seq-len, lower --max-pixels, or pass --long-samples drop (a cut never falls inside an image)"
