@@ -190,18 +190,17 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
             reason,
         )
         cfg = cfg.model_copy(update={"gradient_checkpointing": "off"})
-    if cfg.train_vision:
-        what = "LoRA on the vision tower and projector is not built yet" if is_image_text(config) else "the base is a text-only model"
-        raise UserError(f"--train-vision: {what}; leave it out (the vision tower trains frozen)")
+    if cfg.train_vision and not is_image_text(config):
+        raise UserError("--train-vision: the base is a text-only model (no vision tower); leave it out")
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)
     score_tasks = evaluation.task_scorer(cfg)
     levers = speed_levers(cfg, config, device)
-    eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message) if cfg.eval_prompts else []
     image_text = load_image_text(base_path, config, cfg)
     if isinstance(image_text, ImageText) and not tokenizer.chat_template and image_text.processor.chat_template:
         tokenizer.chat_template = image_text.processor.chat_template  # kept with the processor only (chat_template.json)
+    eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message, image_text) if cfg.eval_prompts else []
     data = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objective), image_text)
     if any(data.images):
         train_images, eval_images = data.images
@@ -213,9 +212,9 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
             len(data.eval),
             cfg.max_pixels,
         )
-        if levers.packing:
+        if levers.packing and image_text.packing_refusal:
             attention = attention_implementation(cfg.model_copy(update={"packing": False}), config, device)
-            log.info("packing off: rows with images train in padded batches (attention: %s)", attention)
+            log.info("packing off: %s, so rows with images train in padded batches (attention: %s)", image_text.packing_refusal, attention)
             levers = dataclasses.replace(levers, packing=False, attention=attention)
     for line in data.per_source if len(data.per_source) > 1 else []:
         log.info("data source %s", line)

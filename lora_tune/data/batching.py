@@ -24,7 +24,9 @@ pass would, like accumulation; the activations are a pass's.
 Under `--sequence-parallel N` the ranks of a group share each micro-batch, each holding 1/N of every
 row (`shard_rows`).
 
-Image-text data trains unpacked; a micro-batch carries its rows' images as the model's pixel inputs
+Image-text data is packed like text where that is exact (`ImageText.packing_refusal`: families whose
+image tokens take plain positions and causal attention, LLaVA-style), else trains unpacked; a
+micro-batch carries its rows' images as the model's pixel inputs, in the order their tokens come
 (decoded here, once per use). A micro-batch without images carries one blank image that nothing
 attends to (`with_images`), so every rank runs the same modules in the same order whatever its rows
 hold (ZeRO-3 gathers the tower's weights collectively and checks that ranks trace the same modules:
@@ -175,9 +177,9 @@ BLANK_SIDE = 56  # pixels: the smallest image every processor takes (Qwen-style 
 
 
 def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text, blank: bool = True) -> dict[str, torch.Tensor]:
-    """`inputs` (unpacked rows) with the pixel inputs of the samples' images, in order, and the token
-    types the model wants. Without any image, a blank one is added after the first row's end, its
-    tokens unattended (attention mask 0) and untrained: the model runs exactly as on every other
+    """`inputs` with the pixel inputs of the samples' images, in order, and the token types the model
+    wants. Without any image, a blank one is added after the first row's end, its tokens unattended
+    (attention mask 0; packed rows: a sample of its own) and untrained: the model runs exactly as on every other
     micro-batch (embeddings, vision tower, projector, decoder, in that order, on every rank), and the
     real tokens' outputs are those of the text alone (nothing attends to padding). `blank` False (one
     process: no rank to keep in step): an image-less micro-batch is the text alone."""
@@ -190,8 +192,10 @@ def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text, blan
         blank_ids = torch.tensor(image_text.expand(image_text.placeholder, pictures), dtype=torch.long)
         rows, n = inputs["input_ids"].shape[0], blank_ids.numel()
         extra = {"input_ids": 0, "labels": IGNORE, "attention_mask": 0}
-        inputs = {**inputs, **{k: torch.cat([inputs[k], inputs[k].new_full((rows, n), v)], dim=1) for k, v in extra.items()}}
+        inputs = {**inputs, **{k: torch.cat([inputs[k], inputs[k].new_full((rows, n), v)], dim=1) for k, v in extra.items() if k in inputs}}
         inputs["input_ids"][0, -n:] = blank_ids
+        if "position_ids" in inputs:  # packed: the blank is a sample of its own (positions from 0), which nothing attends to
+            inputs["position_ids"] = torch.cat([inputs["position_ids"], torch.arange(n).expand(rows, n)], dim=1)
     return {**inputs, **image_text.pixel_inputs(pictures), **image_text.token_type_inputs(inputs["input_ids"])}
 
 
@@ -238,7 +242,7 @@ def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, im
         lengths = torch.tensor([sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows])
         inputs["attention_mask"] = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     row_tokens = tuple(sum(len(seq_ids) for (seq_ids, _), _ in row) for row in rows)
-    if image_text is not None and not packed:
+    if image_text is not None:
         inputs = with_images(inputs, list({id(s): s for row in rows for _, s in row}.values()), image_text, blank_image)
     if not units:
         return MicroBatch(inputs, tokens, label_count, {"label_tokens": label_count}, row_tokens=row_tokens)

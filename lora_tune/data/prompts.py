@@ -1,13 +1,20 @@
 """Prompts for sample generations at evaluation (`--eval-prompts FILE`): a .txt file with one prompt
 per line (used as written), or a .jsonl file whose rows hold `prompt` (as written), `instruction`
 (+ `input`; the Stanford prompt, as alpaca data is trained) or `messages` (the chat template with its
-generation prompt, as chat data is trained)."""
+generation prompt, as chat data is trained). On an image-text base, `messages` may show images as the
+training data does (typed image parts, or `<image>` placeholders with an `images` column), paths
+relative to the prompts file: each placeholder is expanded to its image's tokens by the base's
+processor, and the images go to generation as pixel inputs."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from lora_tune.data import images as image_files
 from lora_tune.data.chat import ChatRenderer
 from lora_tune.data.formats import alpaca
 from lora_tune.data.formats.messages import normalise
@@ -16,14 +23,43 @@ from lora_tune.errors import UserError
 MAX_PROMPTS = 8
 
 
-def read_eval_prompts(path: str, tokenizer, system_message: str = "auto") -> list[list[int]]:
-    """The prompts, tokenized (chat-rendered ones carry their own BOS)."""
-    texts = _texts(path, tokenizer, system_message)
+@dataclass(frozen=True)
+class EvalPrompt:
+    """A prompt's token ids (image placeholders expanded); its image files in order, and what the
+    model's `generate` takes of them (pixel values, token types)."""
+
+    ids: list[int]
+    images: tuple[str, ...] = ()
+    pixel_inputs: dict[str, torch.Tensor] | None = None
+
+
+def read_eval_prompts(path: str, tokenizer, system_message: str = "auto", image_text=None) -> list[EvalPrompt]:
+    """The prompts, tokenized (chat-rendered ones carry their own BOS). `image_text`: the base's
+    processor (`lora_tune.models.processors.ImageText`), None for a text base, or why it can't load."""
     bos = tokenizer.bos_token or ""
-    return [tokenizer(t, add_special_tokens=not (bos and t.startswith(bos)))["input_ids"] for t in texts]
+    prompts = []
+    for text, files, where in _texts(path, tokenizer, system_message, image_text):
+        special = not (bos and text.startswith(bos))
+        if not files:
+            prompts.append(EvalPrompt(tokenizer(text, add_special_tokens=special)["input_ids"]))
+            continue
+        written = text.count(image_text.placeholder)
+        if written != len(files):
+            raise UserError(
+                f"{where}: the chat template wrote {written} image placeholder(s) for {len(files)} image(s); use the checkpoint's own "
+                "chat template"
+            )
+        pictures = [image_files.load(f, where, image_text.max_pixels, image_text.min_pixels) for f in files]
+        bos_id = tokenizer.bos_token_id
+        adds_bos = special and bos_id is not None and tokenizer("a")["input_ids"][:1] == [bos_id]
+        ids = [bos_id] * adds_bos + image_text.expand(text, pictures)
+        pixels = {**image_text.pixel_inputs(pictures), **image_text.token_type_inputs(torch.tensor([ids]))}
+        prompts.append(EvalPrompt(ids, tuple(str(f) for f in files), pixels))
+    return prompts
 
 
-def _texts(path: str, tokenizer, system_message: str) -> list[str]:
+def _texts(path: str, tokenizer, system_message: str, image_text=None) -> list[tuple[str, list[Path], str]]:
+    """(text, image files, where) of each prompt."""
     file = Path(path).expanduser()
     if file.is_dir():
         raise UserError(f"--eval-prompts: {path} is a folder; give a .txt file (one prompt per line) or a .jsonl file")
@@ -45,8 +81,8 @@ def _texts(path: str, tokenizer, system_message: str) -> list[str]:
             f"--eval-prompts: {path} holds {len(lines)} prompts; give at most {MAX_PROMPTS} (each is generated at every evaluation)"
         )
     if file.suffix.lower() != ".jsonl":
-        return [line.replace("\\n", "\n") for line in lines]
-    prompts, chat = [], None
+        return [(line.replace("\\n", "\n"), [], f"--eval-prompts {path}: line {n}") for n, line in enumerate(lines, start=1)]
+    prompts, texts, chat = [], [], None
     for n, line in enumerate(lines, start=1):
         where = f"--eval-prompts {path}: line {n}"
         try:
@@ -57,6 +93,7 @@ def _texts(path: str, tokenizer, system_message: str) -> list[str]:
             raise UserError(
                 f"{where} is a JSON {type(row).__name__}; each line must be an object with a 'prompt', 'instruction' or 'messages' field"
             )
+        files: list[Path] = []
         if isinstance(row.get("prompt"), str):
             prompts.append(row["prompt"])
         elif isinstance(row.get("instruction"), str):
@@ -68,8 +105,14 @@ def _texts(path: str, tokenizer, system_message: str) -> list[str]:
             if not isinstance(row["messages"], list):
                 raise UserError(f"{where}: 'messages' must be a list of {{role, content}} (got {type(row['messages']).__name__})")
             chat = chat or ChatRenderer(tokenizer, system_message)
-            messages = normalise(row["messages"] + [{"role": "assistant", "content": "x"}], where)[:-1]
+            refs: list = []
+            messages = normalise(row["messages"] + [{"role": "assistant", "content": "x"}], where, refs=refs, images=row.get("images"))[:-1]
+            if refs and not hasattr(image_text, "expand"):
+                why = image_text if isinstance(image_text, str) else "--base is a text-only model"
+                raise UserError(f"{where} shows images, but {why}; drop its images")
+            files = [image_files.resolve(ref, file.parent, where) for ref in refs]
             prompts.append(chat.generation_prompt(messages, where))
         else:
             raise UserError(f"{where} needs a 'prompt', 'instruction' or 'messages' field")
-    return prompts
+        texts.append((prompts[-1], files, where))
+    return texts

@@ -69,7 +69,17 @@ def evaluate(module, batches, precision: str | None, device: torch.device) -> tu
 
 
 @torch.no_grad()
-def generate(module, input_ids, attention_mask, settings, logits_processor, precision: str | None, device: torch.device, synced: bool):
+def generate(
+    module,
+    input_ids,
+    attention_mask,
+    settings,
+    logits_processor,
+    precision: str | None,
+    device: torch.device,
+    synced: bool,
+    pixel_inputs=None,
+):
     """The policy's completions of a left-padded batch, [rows, prompt + new tokens], by the loss
     module's `generate` (base + adapter). Eval mode and eager (decoding changes the KV cache at every
     step: compiled layers would recompile). `synced`: every rank runs the same number of forward
@@ -84,19 +94,21 @@ def generate(module, input_ids, attention_mask, settings, logits_processor, prec
                 generation_config=settings,
                 logits_processor=logits_processor,
                 synced_gpus=synced,
+                **to_device(pixel_inputs or {}, device),
             )
     finally:
         module.train()
 
 
-def greedy(engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy completions of tokenized prompts through an engine's `generate`, one prompt at a time
-    (no padding to reason about; these are a few samples)."""
+def greedy(engine, prompts: list, max_new_tokens: int) -> list[list[int]]:
+    """Greedy completions of tokenized prompts (`lora_tune.data.prompts.EvalPrompt`: ids, and an
+    image-text prompt's pixel inputs) through an engine's `generate`, one prompt at a time (no
+    padding to reason about; these are a few samples)."""
     settings = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, use_cache=True)
     outputs = []
-    for ids in prompts:
-        x = torch.tensor([ids])
-        outputs.append(engine.generate(x, torch.ones_like(x), settings)[0, len(ids) :].tolist())
+    for prompt in prompts:
+        x = torch.tensor([prompt.ids])
+        outputs.append(engine.generate(x, torch.ones_like(x), settings, pixel_inputs=prompt.pixel_inputs)[0, len(prompt.ids) :].tolist())
     return outputs
 
 

@@ -247,10 +247,10 @@ class DeepSpeedEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.ds, batches, self.cfg.precision, self.device)  # ZeRO-3: collective
 
-    def generate(self, input_ids, attention_mask, settings, logits_processor=None):
+    def generate(self, input_ids, attention_mask, settings, logits_processor=None, pixel_inputs=None):
         # ZeRO-3 gathers each module's weights as it runs (collective): the ranks decode in lockstep.
-        model, precision = self.model, self.cfg.precision
-        return common.generate(model, input_ids, attention_mask, settings, logits_processor, precision, self.device, self.zero3)
+        model, precision, synced = self.model, self.cfg.precision, self.zero3
+        return common.generate(model, input_ids, attention_mask, settings, logits_processor, precision, self.device, synced, pixel_inputs)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

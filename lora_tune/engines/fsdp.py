@@ -114,8 +114,14 @@ class FSDPEngine:
             reader,
             self.device,
             cfg.precision,
-            # LoRA values are seeded by layer name within the peft model, as on every backend.
-            init_adapter=lambda unit, name: materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device),
+            # LoRA values are seeded by layer name within the peft model, as on every backend. The
+            # root comes last as the wrapper itself: its LoRA layers (an image-text model's vision
+            # tower under --train-vision) are named from the peft model inside it.
+            init_adapter=lambda unit, name: (
+                materialize_lora(unit.peft_model, "", seed, self.device)
+                if unit is model
+                else materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device)
+            ),
             partition=lambda layer: fully_shard(layer, **policies),
             partition_root=lambda root: fully_shard(root, **policies),
         )
@@ -187,11 +193,11 @@ class FSDPEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.model, batches, None, self.device)  # collective
 
-    def generate(self, input_ids, attention_mask, settings, logits_processor=None):
+    def generate(self, input_ids, attention_mask, settings, logits_processor=None, pixel_inputs=None):
         # The root's `generate` is one of its forward methods (see load): the root's own weights
         # (embeddings, head) are gathered around it, each decoder layer's as it runs (collective: the
         # ranks decode in lockstep).
-        return common.generate(self.model, input_ids, attention_mask, settings, logits_processor, None, self.device, True)
+        return common.generate(self.model, input_ids, attention_mask, settings, logits_processor, None, self.device, True, pixel_inputs)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

@@ -69,9 +69,12 @@ class Engine(Protocol):
     def evaluate(self, batches: list[MicroBatch]) -> tuple[float, int]:
         """(summed token loss, label tokens) over the batches; collective where the backend is."""
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings, logits_processor=None) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings, logits_processor=None, pixel_inputs=None
+    ) -> torch.Tensor:
         """The policy's completions of a left-padded batch (transformers' `generate` with these
-        settings and processors): every rank calls it, in lockstep where weights are sharded."""
+        settings and processors; `pixel_inputs`: an image-text prompt's pixel values and token
+        types): every rank calls it, in lockstep where weights are sharded."""
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
         """The whole adapter (peft's names, CPU tensors) on rank 0; collective, never gathers the base."""

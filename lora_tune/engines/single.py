@@ -74,6 +74,13 @@ class SingleDeviceEngine:
     def step(self) -> tuple[float, bool]:
         """Clip, step the optimizer and the schedule. A non-finite gradient norm skips the update
         (the scaler does this itself for fp16, where an overflow only lowers the scale)."""
+        # A step whose micro-batches never reached a trainable tensor (the vision tower's LoRA with
+        # no image, an expert no token was routed to) gives it a zero gradient, as the sharded engines
+        # do: AdamW's moments, step count and weight decay then advance for every tensor, so one
+        # process takes the steps N ranks take.
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm > 0 else float("inf")
@@ -98,9 +105,9 @@ class SingleDeviceEngine:
     def evaluate(self, batches) -> tuple[float, int]:
         return common.evaluate(self.model, batches, self.cfg.precision, self.device)
 
-    def generate(self, input_ids, attention_mask, settings, logits_processor=None):
+    def generate(self, input_ids, attention_mask, settings, logits_processor=None, pixel_inputs=None):
         model, precision = self.model, self.cfg.precision
-        return common.generate(model, input_ids, attention_mask, settings, logits_processor, precision, self.device, False)
+        return common.generate(model, input_ids, attention_mask, settings, logits_processor, precision, self.device, False, pixel_inputs)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:

@@ -65,8 +65,9 @@ class LoraOptions(Options):
     train_vision: bool = Field(
         False,
         json_schema_extra=MATH,
-        description="Image-text models: also adapt the vision tower and projector. Not built yet (refused): they are frozen, get "
-        "no LoRA and no gradients, and target names that also match them are left out and reported.",
+        description="Image-text models: also put LoRA on the vision tower's and projector's linear layers (every one by default; "
+        "with --target-modules, those of the names given, in both parts). Off: they stay frozen, get no LoRA and no gradients, "
+        "and target names that also match them are left out and reported.",
     )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")

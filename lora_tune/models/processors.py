@@ -46,7 +46,7 @@ def _image_token_ids(config, processor) -> set[int]:
 class ImageText:
     """The processor of an image-text base, with --max-pixels / --min-pixels."""
 
-    def __init__(self, processor, config, max_pixels: int, min_pixels: int = 0):
+    def __init__(self, processor, config, max_pixels: int, min_pixels: int = 0, body=None):
         self.processor = processor
         self.placeholder = processor.image_token  # what the chat template writes once per image
         image_key = next((k for k in ("image_token_id", "image_token_index") if isinstance(getattr(config, k, None), int)), None)
@@ -59,6 +59,7 @@ class ImageText:
         # Processors that return multimodal token types say so by a flag, not in model_input_names.
         wanted = [*processor.model_input_names, *(["mm_token_type_ids"] if getattr(processor, "return_mm_token_type_ids", False) else [])]
         self.token_types = [k for k in TOKEN_TYPE_INPUTS if k in wanted]
+        self.packing_refusal = packing_refusal(config, body, self.token_types)
 
     def fingerprint(self) -> str:
         """What decides the tokens an image becomes: the processor's settings and the pixel bounds."""
@@ -82,6 +83,20 @@ class ImageText:
         return {k: marks for k in self.token_types}
 
 
+def packing_refusal(config, body, token_types: list[str]) -> str | None:
+    """Why rows with images can't be packed exactly on this family, or None. Packed rows restart
+    `position_ids` per sample and attend causally within each (lora_tune.data.batching); that is the
+    padded computation only where an image's tokens take plain 1-D positions and causal attention:
+    not with multimodal rotary positions computed over the whole sequence (`get_rope_index`: Qwen-VL,
+    PaddleOCR-VL, GLM-4V), nor where token types give an image's tokens attention both ways or their
+    own positions (Gemma 3's `token_type_ids`, `mm_token_type_ids`)."""
+    if body is not None and hasattr(body, "get_rope_index"):
+        return f"{config.model_type} computes multimodal rotary positions over the whole sequence"
+    if token_types:
+        return f"{config.model_type}'s image tokens take token types ({', '.join(token_types)})"
+    return None
+
+
 def load_image_text(base_path: str, config, cfg) -> ImageText | str | None:
     """The base's processor (None for a text model); a string says why it can't load (said when a row
     brings an image)."""
@@ -97,9 +112,10 @@ def load_image_text(base_path: str, config, cfg) -> ImageText | str | None:
     if not hasattr(processor, "image_processor") or not getattr(processor, "image_token", None):
         return f"--base {cfg.base}: its processor ({type(processor).__name__}) has no image processor or image token"
     try:
-        if multimodal_body(meta_model(config)) is None:
+        body = multimodal_body(meta_model(config))
+        if body is None:
             apart = f"{config.model_type} keeps its vision tower apart from the decoder"
             return f"--base {cfg.base}: {apart}; training on its images is not supported yet"
-        return ImageText(processor, config, cfg.max_pixels, cfg.min_pixels)
+        return ImageText(processor, config, cfg.max_pixels, cfg.min_pixels, body)
     except (ValueError, TypeError, AttributeError, KeyError) as e:  # said only when a row brings an image
         return f"--base {cfg.base}: its images can't be prepared for training ({first_line(e)[:160]})"

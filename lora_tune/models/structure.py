@@ -101,6 +101,22 @@ def body_path(model) -> str:
     return next(name for name, m in model.named_modules() if m is body)
 
 
+def vision_parts(model) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of the outermost modules whose parameters all lie outside the language model
+    (the decoder body and the output head): an image-text model's vision tower and projector (an
+    audio encoder too). None in a text model, nor where the encoder sits inside the body (GIT)."""
+    head = model.get_output_embeddings()
+    inside = {id(p) for module in (decoder_body(model), head) if module is not None for p in module.parameters()}
+    parts: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{p}.") for p, _ in parts):
+            continue
+        params = list(module.parameters())
+        if params and all(id(p) not in inside for p in params):
+            parts.append((name, module))
+    return parts
+
+
 def block_modules(model):
     """(full name, module) of every module inside the decoder body's repeated blocks: the elements
     of its ModuleLists (layers, h, blocks, ...) and everything under them, each module once. Other
@@ -131,11 +147,17 @@ def linear_name(name: str) -> str:
     return ".".join(parts[-keep:])
 
 
-def anchored_pattern(prefix: str, short_names) -> str:
+def anchored_pattern(prefix: str, short_names, vision: tuple[str, ...] = (), vision_names=()) -> str:
     """A peft target pattern (re.fullmatch on module names) for the modules named `short_names`
-    inside the blocks under `prefix`, and nowhere else."""
+    inside the blocks under `prefix`, and, with `vision` paths, those named `vision_names` anywhere
+    under them (--train-vision); nowhere else."""
     names = "|".join(re.escape(n) for n in sorted(short_names))
-    return rf"{re.escape(prefix)}\.(?:.+\.)?\d+\.(?:.+\.)?(?:{names})"
+    pattern = rf"{re.escape(prefix)}\.(?:.+\.)?\d+\.(?:.+\.)?(?:{names})"
+    if not vision or not vision_names:
+        return pattern
+    roots = "|".join(re.escape(v) for v in vision)
+    inside = "|".join(re.escape(n) for n in sorted(vision_names))
+    return rf"(?:{pattern})|(?:(?:{roots})\.(?:.+\.)?(?:{inside}))"
 
 
 def recurrent_layers(config) -> int:

@@ -8,7 +8,7 @@ import copy
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import bitsandbytes as bnb
@@ -21,7 +21,17 @@ from transformers.pytorch_utils import Conv1D
 from lora_tune.errors import UserError, first_line
 from lora_tune.models.checkpoint_layout import natural_order
 from lora_tune.models.loading import unquantized_experts
-from lora_tune.models.structure import anchored_pattern, block_modules, body_path, is_image_text, linear_name, meta_model, model_class
+from lora_tune.models.structure import (
+    anchored_pattern,
+    block_modules,
+    body_path,
+    is_image_text,
+    linear_name,
+    meta_model,
+    model_class,
+    multimodal_body,
+    vision_parts,
+)
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -84,16 +94,17 @@ class Targets:
     modules: tuple[str, ...]
     parameters: tuple[str, ...] = ()
     scope: str | None = None
+    vision: tuple[str, ...] = ()  # --train-vision: the vision tower's and projector's paths, where `modules` adapt too
 
     def peft_target_modules(self) -> list[str] | str:
         """What peft's LoraConfig(target_modules=...) takes (and adapter_config.json records)."""
         if self.scope is None or not self.modules:
             return list(self.modules)
-        return anchored_pattern(self.scope, self.modules)
+        return anchored_pattern(self.scope, self.modules, self.vision, self.modules)
 
     def weights(self, model) -> set[str]:
         """The names of the base tensors these targets adapt in `model` (unwrapped)."""
-        names = set()
+        names = {f"{name}.weight" for name, _ in self.vision_linears(model)}
         for name, module in block_modules(model):
             if is_linear(module) and linear_name(name) in self.modules:
                 names.add(f"{name}.weight")
@@ -102,11 +113,22 @@ class Targets:
                     names.add(f"{name}.{p}")
         return names
 
+    def vision_linears(self, model) -> list[tuple[str, torch.nn.Module]]:
+        """--train-vision: (name, module) of the vision tower's and projector's linears adapted."""
+        return [
+            (name, module)
+            for root in self.vision
+            for name, module in model.get_submodule(root).named_modules(prefix=root)
+            if is_linear(module) and linear_name(name) in self.modules
+        ]
+
     def describe(self, model) -> str:
         counts: dict[str, int] = {}
+        vision = {f"{name}.weight" for name, _ in self.vision_linears(model)}
         for name in sorted(self.weights(model), key=natural_order):
             path = block_path(name)
             key = path if path in self.parameters else linear_name(path.removesuffix(".weight"))
+            key = f"vision {linear_name(name.removesuffix('.weight'))}" if name in vision else key
             counts[key] = counts.get(key, 0) + 1
         return ", ".join(f"{k} x{v}" for k, v in counts.items())
 
@@ -137,6 +159,8 @@ class Inventory:
     body: str = "model"
     elsewhere: tuple[str, ...] = ()
     tied: tuple[str, ...] = ()  # linears whose weight is one tensor with another layer's (Zamba's shared block)
+    vision: tuple[str, ...] = ()  # paths of the vision tower and projector (structure.vision_parts)
+    vision_linears: tuple[str, ...] = ()  # short names of their plain linear layers (--train-vision's targets)
 
     @classmethod
     def of(cls, model) -> Inventory:
@@ -151,6 +175,8 @@ class Inventory:
         elsewhere = {".".join(parts[-k:]) for parts in others for k in (1, 2, 3) if k <= len(parts)}
         tied_weights = {k for pair in (getattr(model, "all_tied_weights_keys", None) or {}).items() for k in pair}
         tied = {linear_name(n) for n, m in blocks.items() if is_linear(m) and f"{n}.weight" in tied_weights}
+        vision = vision_parts(model) if is_image_text(model.config) else []
+        vision_linears = {linear_name(n) for path, part in vision for n, m in part.named_modules(prefix=path) if is_plain_linear(m)}
         return cls(
             tuple(sorted(linears)),
             tuple(sorted(experts)),
@@ -158,6 +184,8 @@ class Inventory:
             body_path(model),
             tuple(sorted(elsewhere)),
             tuple(sorted(tied)),
+            tuple(path for path, _ in vision),
+            tuple(sorted(vision_linears)),
         )
 
 
@@ -168,8 +196,13 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
     c_attn kept whole), never lm_head or anything outside the blocks, the MoE routers left out, and
     MoE experts included: per-expert linears by name, fused expert tensors as target parameters."""
     inv = model_or_inventory if isinstance(model_or_inventory, Inventory) else Inventory.of(model_or_inventory)
+    train_vision = getattr(cfg, "train_vision", False)
+    if train_vision and not inv.vision:
+        raise UserError("--train-vision: this model has no vision tower or projector apart from its language model; leave it out")
+    vision_names = inv.vision_linears if train_vision else ()
     if not cfg.target_modules:
         names = [n for n in inv.linears if n not in ROUTERS and n not in inv.tied]
+        names += [n for n in vision_names if n not in names]
         if not names:
             raise UserError(
                 "--target-modules: no linear layers found inside the transformer blocks of this model; pass --target-modules explicitly"
@@ -185,17 +218,26 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
                     f"--target-modules: {name} shares its weight with another layer's (tied: one tensor in the checkpoint), so "
                     "LoRA on it could not be merged; leave it out"
                 )
-            if name in inv.linears:
+            if name in inv.linears or name in vision_names:
                 modules.append(name)
             elif experts or routers:
                 parameters += experts + routers
+            elif name in inv.vision_linears:
+                raise UserError(
+                    f"--target-modules: {name} is a layer of the vision tower / projector, which trains frozen; pass --train-vision "
+                    "to adapt it"
+                )
             else:
                 choices = " ".join(
-                    list(inv.linears) + (["experts"] if inv.experts else []) + sorted({r.rsplit(".", 1)[-1] for r in inv.routers})
+                    list(dict.fromkeys(list(inv.linears) + list(vision_names)))
+                    + (["experts"] if inv.experts else [])
+                    + sorted({r.rsplit(".", 1)[-1] for r in inv.routers})
                 )
                 raise UserError(f"--target-modules: {name} is not a linear layer or expert tensor of this model; choose from: {choices}")
         targets = Targets(tuple(dict.fromkeys(modules)), tuple(dict.fromkeys(parameters)))
-    if set(targets.modules) & set(inv.elsewhere):
+    if train_vision:
+        targets = Targets(targets.modules, targets.parameters, scope=inv.body, vision=inv.vision)
+    elif set(targets.modules) & set(inv.elsewhere):
         targets = Targets(targets.modules, targets.parameters, scope=inv.body)
     check_parameter_options(targets, cfg)
     return targets
@@ -318,7 +360,7 @@ def peft_exact_targets(config, cfg, targets: Targets, meta: PeftOnMeta | None = 
         linears = [n for n in wanted if n.endswith(".weight") and linear_name(n.removesuffix(".weight")) in dropped]
         moved = tuple(sorted({n if targets.scope else block_path(n) for n in linears} - set(targets.parameters), key=natural_order))
         modules = tuple(m for m in targets.modules if m not in dropped)
-        candidate = Targets(modules, targets.parameters + moved, targets.scope if modules else None)
+        candidate = replace(targets, modules=modules, parameters=targets.parameters + moved, scope=targets.scope if modules else None)
         if adaptation_mismatch(*probe_peft(meta, candidate), cfg.rank) is None:
             if cfg.precision in ("8bit", "4bit"):
                 raise UserError(
@@ -352,14 +394,14 @@ def peft_accepted(config, cfg, targets: Targets, meta: PeftOnMeta | None = None)
     refused = {}
     for name in targets.modules:
         try:
-            meta.inject(Targets((name,), (), targets.scope))
+            meta.inject(replace(targets, modules=(name,), parameters=()))
         except PeftRefused as e:
             refused[name] = str(e)
     if not refused or len(refused) == len(targets.modules):
         return targets  # refused as a whole (or for no one module): probe_peft says why
     for name, why in refused.items():
         log.warning("LoRA targets: %s left out, peft refuses to adapt it on this model (%s)", name, why)
-    return Targets(tuple(m for m in targets.modules if m not in refused), targets.parameters, targets.scope)
+    return replace(targets, modules=tuple(m for m in targets.modules if m not in refused))
 
 
 def check_loads_back(config, cfg, targets: Targets, meta: PeftOnMeta | None = None) -> None:
@@ -428,8 +470,13 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
     meta = PeftOnMeta(config, cfg)
     targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg), meta)
     check_loads_back(config, cfg, targets, meta)
+    if targets.vision and multimodal_body(skeleton) is None:
+        raise UserError(
+            f"--train-vision: {config.model_type}'s vision tower runs apart from its language model, which lora-tune doesn't "
+            "train on images; leave it out"
+        )
     log.info("LoRA targets: %s", targets.describe(skeleton))
-    if targets.scope is not None and is_image_text(config):
+    if targets.scope is not None and not targets.vision and is_image_text(config):
         shared = sorted(set(targets.modules) & set(inventory.elsewhere))
         log.info(
             "LoRA targets: %s also name layers outside the language model (vision tower / projector), which stay frozen and unadapted",

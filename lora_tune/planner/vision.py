@@ -36,9 +36,10 @@ a micro-batch's images, and the tower's forward.
   Measured peaks lie at most 10% below the plan (SigLIP, CLIP, Pixtral; eager within 5% either
   way), 25% for Qwen2-VL in bf16 and 55% in fp32 (its rotary copies are made under half precision
   only): conservative.
-* --train-vision: LoRA on the tower's linear layers named by the targets (--target-modules, or the
-  language model's default names), and the tower's activations kept for backward (every block's
-  working set, planned without checkpointing) on top of the language model's.
+* --train-vision: LoRA on the tower's and projector's linear layers named by the targets
+  (--target-modules, or by default every one of them, as in the language model), and the tower's
+  activations kept for backward (every block's working set, planned without checkpointing) on top
+  of the language model's.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from transformers.quantizers.auto import AutoHfQuantizer
 
 from lora_tune.engines.spec import BackendSpec, ModelStates
 from lora_tune.models.loading import quantization_config
-from lora_tune.models.structure import decoder_body, is_image_text, linear_name
+from lora_tune.models.structure import is_image_text, linear_name, vision_parts
 from lora_tune.models.targets import is_plain_linear
 
 if TYPE_CHECKING:
@@ -92,18 +93,6 @@ def _size(value) -> int | None:
     return int(value) if isinstance(value, (int, float)) and value else None
 
 
-def _roots(skeleton, inside: set[int]) -> list[torch.nn.Module]:
-    """The outermost modules whose parameters all lie outside the language model and its head."""
-    roots: list[tuple[str, torch.nn.Module]] = []
-    for name, module in skeleton.named_modules():
-        if not name or any(name.startswith(f"{r}.") for r, _ in roots):
-            continue
-        params = list(module.parameters())
-        if params and all(id(p) not in inside for p in params):
-            roots.append((name, module))
-    return [m for _, m in roots]
-
-
 def _quantized(skeleton, roots: list[torch.nn.Module]) -> tuple[tuple[int, int], ...]:
     """The tower's linear layers bitsandbytes replaces, by transformers' own replacement run on the
     skeleton (it skips what it skips: heads, modules kept in fp32, nn.MultiheadAttention's output)."""
@@ -122,9 +111,7 @@ def read_tower(config, skeleton) -> VisionTower | None:
     skeleton's linear layers with bitsandbytes' (the skeleton is not for anything else afterwards)."""
     if not is_image_text(config):
         return None
-    head = skeleton.get_output_embeddings()
-    inside = {id(p) for module in (decoder_body(skeleton), head) if module is not None for p in module.parameters()}
-    roots = _roots(skeleton, inside)
+    roots = [module for _, module in vision_parts(skeleton)]
     params = {id(p): p.numel() for root in roots for p in root.parameters()}
     if not params:
         return None  # the image encoder sits inside the language model's body (GIT): counted with it

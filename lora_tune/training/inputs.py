@@ -51,7 +51,7 @@ class RunInputs:
     targets: Targets | None  # None: remote code, resolved on the loaded model
     levers: SpeedLevers
     data: PreparedData
-    eval_prompts: list[list[int]]
+    eval_prompts: list  # lora_tune.data.prompts.EvalPrompt
     batches: MicroBatches
     total_steps: int
     objective: Objective

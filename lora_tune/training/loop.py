@@ -326,7 +326,11 @@ class TrainingLoop:
             tokenizer = self.inputs.tokenizer
             completions = common.greedy(self.engine, self.inputs.eval_prompts, self.cfg.eval_max_new_tokens)
             samples = [
-                {"prompt": tokenizer.decode(p, skip_special_tokens=True), "completion": tokenizer.decode(c, skip_special_tokens=True)}
+                {
+                    "prompt": tokenizer.decode(p.ids, skip_special_tokens=True),
+                    "completion": tokenizer.decode(c, skip_special_tokens=True),
+                    **({"images": list(p.images)} if p.images else {}),
+                }
                 for p, c in zip(self.inputs.eval_prompts, completions)
             ]
             if self.metrics:

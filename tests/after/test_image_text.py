@@ -89,6 +89,39 @@ def test_merged_folder_loads_with_its_processor_and_equals_base_plus_adapter_on_
     assert vision and all(torch.equal(before[k], after[k]) for k in vision)
 
 
+def test_a_train_vision_adapter_merges_into_the_tower_and_projector(world, tmp_path, capsys):
+    """--train-vision: the merged tower and projector carry the adapter (== base + adapter on an image),
+    and only the tensors it leaves alone are verified bit for bit."""
+    base = world["llava"][0]
+    Image.new("RGB", (40, 40), (10, 200, 10)).save(tmp_path / "green.png")
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "green.png"}, {"type": "text", "text": "Colour?"}]},
+                {"role": "assistant", "content": "Green."},
+            ]
+        }
+    ] * 4
+    run, merged = tmp_path / "run", tmp_path / "merged"
+    code, _, err = run_cli(
+        fast_train_args(base, write_jsonl(tmp_path / "d.jsonl", rows), run, max_steps=2, lr=5e-2, train_vision=True), capsys
+    )
+    assert code == 0, err
+    code, _, err = run_cli(["merge", "--adapter", run, "--output", merged, "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    inputs = image_inputs(AutoProcessor.from_pretrained(merged))
+    want = logits(PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32), run), inputs)
+    got = logits(AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32), inputs)
+    assert (got - want).abs().max() / want.abs().max() < 1e-5
+    before, after = load_file(base / "model.safetensors"), load_file(merged / "model.safetensors")
+    vision = [k for k in before if k.startswith(VISION)]
+    changed = {k for k in vision if not torch.equal(before[k], after[k])}
+    linears = {k for k in vision if k.endswith(".weight") and before[k].dim() == 2 and "embed" not in k}
+    assert changed == linears  # every linear of the tower and the projector, nothing else
+    untouched = [k for k in vision if f"{k.rsplit('.', 1)[0]}.weight" not in linears]  # an adapted linear's bias: skipped
+    assert f"verify: {len(untouched)} vision tower / projector tensors bit-identical to the base's" in err
+
+
 def test_merge_verifies_the_vision_tower_bit_for_bit_in_any_dtype(world, tmp_path, capsys):
     base, run, _ = world["llava"]
     code, _, err = run_cli(["merge", "--adapter", run, "--output", tmp_path / "bf16", "--dtype", "bf16"], capsys)

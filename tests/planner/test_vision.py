@@ -152,12 +152,14 @@ def test_a_frozen_towers_forward_counts_where_it_exceeds_the_language_models_pea
 
 
 def test_train_vision_adds_the_towers_lora_and_keeps_its_activations(real_size):
-    """SigLIP's q/k/v projections carry the language model's default target names: they get LoRA."""
+    """Every linear of SigLIP's blocks gets LoRA (q, k, v, out; fc1, fc2); Gemma 3's projector has none."""
     arch = real_size["gemma3"]
     frozen, trained = plan.Setup(), plan.Setup(train_vision=True)
-    width = arch.vision.width
-    per_layer = 3 * 16 * (width + width)
-    assert plan.estimate(arch, trained).trainable_parameters - plan.estimate(arch, frozen).trainable_parameters == per_layer * 12
+    w, i, r = arch.vision.width, arch.vision.intermediate, 16
+    per_layer = 4 * r * (w + w) + 2 * r * (w + i)
+    assert (w, i, arch.vision.layers) == (768, 3072, 12)
+    head = r * (w + w) + 2 * r * (w + i)  # the default config keeps SigLIP's pooling head (out_proj, fc1, fc2): peft adapts it too
+    assert plan.estimate(arch, trained).trainable_parameters - plan.estimate(arch, frozen).trainable_parameters == per_layer * 12 + head
     images = plan.estimate(arch, trained).per_device["images_bytes"]
     assert images == vision.pixel_bytes(arch.vision, trained) + arch.vision.layers * vision.forward_bytes(arch.vision, trained, 2)
     assert "--train-vision" in render.train_command("gemma3-27b", trained)
@@ -249,6 +251,16 @@ def _saved_by_the_tower(path, checkpointing: Checkpointing) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
         model.base_model.model.model.get_image_features(pixel_values=torch.randn(2, 3, 64, 64, dtype=torch.bfloat16))
     return sum(saved.values())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llava"])
+def test_train_visions_lora_is_planned_as_peft_adds_it(tiny_checkpoints, family):
+    path = tiny_checkpoints[family]
+    cfg = TrainConfig(base=str(path), data="d", output_dir="o", precision="bf16", rank=8, train_vision=True)
+    model = add_lora(load_base_model(str(path), "bf16", torch.device("cpu")), cfg, "b", checkpointing=Checkpointing(False))
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert sum(v for n, v in trainable.items() if "language_model" not in n) > 0
+    assert plan.estimate(load_architecture(str(path)), plan.setup_from(cfg)).trainable_parameters == sum(trainable.values())
 
 
 def test_a_frozen_tower_keeps_nothing_for_backward(tiny_checkpoints):
