@@ -6,9 +6,12 @@ files, chat template), so everything after goes through the real `AutoProcessor`
 `AutoModelForImageTextToText` loading.
 
 Families: `paddleocr_vl` (multimodal rotary positions, a Qwen-style grid of merged patches),
-`gemma3` (a projector, token type ids, fixed image size), `llava` (a projector, repeated `<image>`).
-Qwen-VL, Qwen3.5, Gemma 4, Mistral 3 and Llama 4 processors need torchvision (their video or fast
-image processors), which this machine's CPU build of torch has no working wheel for.
+`gemma3` (a projector, token type ids, fixed image size), `llava` (a projector, repeated `<image>`),
+`qwen3_5` (Qwen3.5: a hybrid gated-delta-net / attention decoder with interleaved multimodal rotary
+positions and `mm_token_type_ids`). Qwen3.5's processor needs torchvision (its video processor), as
+do Qwen-VL's, Gemma 4's, Mistral 3's and Llama 4's: this machine's CPU build of torch has no working
+torchvision wheel, so that family builds only where torchvision imports (its processor classes are
+looked up only when it is asked for).
 """
 
 from __future__ import annotations
@@ -63,6 +66,29 @@ FAMILIES = {
         # 28-pixel images in 14-pixel patches: 4 image tokens (the CLS feature dropped).
         {"vision_config.image_size": 28},
     ),
+    "qwen3_5": (
+        {
+            "image_token": "<|image_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_start_token": "<|vision_start|>",
+            "vision_end_token": "<|vision_end|>",
+        },
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        {
+            # The merger projects into the decoder's hidden size (the default config's 3584 is not the
+            # default text config's 4096, so the shrunk one follows neither).
+            "vision_config.out_hidden_size": 64,
+            # Rotary on half of each 16-wide head: 4 frequencies, interleaved (time, height, width)
+            # as the real [11, 11, 10] does on 32, so an image's grid position reaches the attention.
+            "text_config.rope_parameters": {
+                "rope_theta": 10000.0,
+                "rope_type": "default",
+                "partial_rotary_factor": 0.5,
+                "mrope_section": [2, 1, 1],
+                "mrope_interleaved": True,
+            },
+        },
+    ),
 }
 
 
@@ -83,6 +109,14 @@ def _processor(model_type: str, tokenizer, template: str):
             vision_feature_select_strategy="default",
             num_additional_image_tokens=1,
         )
+    if model_type == "qwen3_5":
+        # 16-pixel patches merged 2 x 2, two frames a temporal patch, as the real processor's: a
+        # 64 x 64 image is 4 tokens; bounded to 4 x 4 merged patches (16 tokens).
+        sizes = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+        bounds = {"size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}}
+        images = transformers.Qwen2VLImageProcessorPil(**sizes, **bounds)
+        videos = transformers.Qwen3VLVideoProcessor(**sizes, **bounds)  # needs torchvision
+        return transformers.Qwen3VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos, chat_template=template)
     # 14-pixel patches merged 2 x 2: a 56 x 56 image is 4 tokens; bounded to 8 x 8 patches.
     images = transformers.PaddleOCRVLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
     return transformers.PaddleOCRVLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
@@ -95,6 +129,7 @@ def build_tiny_image_text_model(model_type: str, out_dir: str | Path, seed: int 
     tokenizer = train_tiny_tokenizer(extra_special_tokens=added)
     template = _TEMPLATE.replace("IMAGE", image_text)
     tokenizer.chat_template = template
+    processor = _processor(model_type, tokenizer, template)  # first: a missing torchvision writes nothing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -104,6 +139,6 @@ def build_tiny_image_text_model(model_type: str, out_dir: str | Path, seed: int 
             if "projector" in name and p.dim() > 1 and not p.any():
                 p.normal_(0.0, 0.02)
     model.save_pretrained(out)
-    _processor(model_type, tokenizer, template).save_pretrained(out)
+    processor.save_pretrained(out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
     return out
