@@ -34,16 +34,21 @@ def train(argv: list[str]) -> subprocess.CompletedProcess:
     return proc
 
 
-def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str]) -> dict:
+def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str], timed: bool = True) -> dict:
+    """A route's figures: its tensor peak from a run under the tracker, and its step times and peak
+    RSS from a second, untracked run. `timed` False (--tiny, the test suite, which checks that the
+    figures are made, not how fast): the tracked run's own figures, one run per route."""
     options = dict(precision="fp32", rank=16, micro_batch_size=4, max_seq_len=seq, max_steps=steps, optim="adamw")
     argv = train_argv(base, data, out, "--no-data-cache", *extra, **options)
     measured = out.with_name(out.name + "-tensor-peak")  # its own output folder: a run never reuses another's
     peak_file = measured.with_suffix(".json")
     tensor_peak = [sys.executable, str(Path(__file__).with_name("tensor_peak.py")), str(peak_file)]
-    train([*tensor_peak, *train_argv(base, data, measured, "--no-data-cache", *extra, **options)[1:]])  # argv[0] is python
     t = time.perf_counter()
-    proc = train(argv)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    proc = train([*tensor_peak, *train_argv(base, data, measured, "--no-data-cache", *extra, **options)[1:]])  # argv[0] is python
+    if timed:
+        t = time.perf_counter()
+        proc = train(argv)
+    rows = [json.loads(line) for line in ((out if timed else measured) / "metrics.jsonl").read_text().splitlines()]
     steps_ = [r for r in rows if "loss" in r]
     chosen = next((line for line in proc.stderr.splitlines() if line.startswith("gradient checkpointing (auto)")), "")
     return {
@@ -84,7 +89,9 @@ def main() -> None:
         f"auto, --memory-budget {budget:.3f} GiB": ["--gradient-checkpointing", "auto", "--memory-budget", f"{budget:.6f}"],
         "none (off)": ["--gradient-checkpointing", "off"],
     }
-    results = {name: run(base, data, work / str(i), seq, args.steps, extra) for i, (name, extra) in enumerate(routes.items())}
+    results = {
+        name: run(base, data, work / str(i), seq, args.steps, extra, not args.tiny) for i, (name, extra) in enumerate(routes.items())
+    }
     print(
         f"Llama-shaped ({shape}) fp32 model, {arch.layers} layers, micro-batch 4 x {seq} tokens of equal-length samples, {args.steps} steps"
     )
