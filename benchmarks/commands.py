@@ -1,12 +1,57 @@
-"""What the benchmark scripts share: the `lora-tune train` command they run, as argv, and their
-common options (steps, a work folder, the tiny shape the test suite runs)."""
+"""What the benchmark scripts share: the `lora-tune train` command they run, as argv, their common
+options (steps, a work folder, the tiny shape the test suite runs), and how a route's code runs."""
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+# What the routes import. A tiny run (the test suite) forks its routes from a server that imported
+# these once: each fresh interpreter pays about 7 s on 2 cores for them (peft imports bitsandbytes,
+# which imports torch's compiler), more than a tiny route's training.
+PRELOAD = [
+    "torch",
+    "transformers",
+    "transformers.trainer",
+    "transformers.models.llama.modeling_llama",
+    "peft",
+    "bitsandbytes",
+    "datasets",
+    "trl",
+    "lora_tune.cli",
+    "lora_tune.preflight",
+    "lora_tune.training.recipe",
+    "lora_tune.engines.single",
+]
+
+
+def run_python(script: str, args: list[str], preloaded: bool = False) -> subprocess.CompletedProcess:
+    """`python -c script *args`, its output captured: in a fresh interpreter (a real run: each route's
+    peak RSS is its own), or, `preloaded`, in a child forked from a server that has imported PRELOAD
+    (never having run anything, so the fork is safe), whose peak RSS includes those imports."""
+    if not preloaded:
+        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    with tempfile.TemporaryDirectory() as folder:
+        child = context.Process(target=_run_script, args=(script, args, folder))
+        child.start()
+        child.join()
+        out, err = (Path(folder, name).read_text() for name in ("stdout", "stderr"))
+    return subprocess.CompletedProcess(["-c", script, *args], child.exitcode, out, err)
+
+
+def _run_script(script: str, args: list[str], folder: str) -> None:
+    """In the forked child: the script as `python -c` would run it, its stdout and stderr into files."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(Path(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.argv = ["-c", *args]
+    exec(compile(script, "<route>", "exec"), {"__name__": "__main__"})
 
 
 def bench_options(steps: int, tiny: str, prefix: str, parser: argparse.ArgumentParser | None = None):

@@ -161,7 +161,7 @@ def main() -> None:
         script, extra = ROUTES[name]
         out = work / "".join(c if c.isalnum() else "_" for c in name)
         shutil.rmtree(out, ignore_errors=True)
-        results[name] = run_route(script, base, data, {**cfg, **extra}, out)
+        results[name] = run_route(script, base, data, {**cfg, **extra}, out, preloaded=args.tiny)
     print(
         f"{n} long-tail pairs, Llama-shaped ({shape}) {args.precision} model, LoRA r16 all-linear, checkpointing, "
         f"micro-batch up to 4 x 2 x {seq} tokens, beta 0.1; one epoch"

@@ -148,7 +148,7 @@ def main() -> None:
     for name in args.routes:
         out = work / "".join(c if c.isalnum() else "_" for c in name)
         shutil.rmtree(out, ignore_errors=True)
-        results[name] = run_route(ROUTES[name], base, data, cfg, out)
+        results[name] = run_route(ROUTES[name], base, data, cfg, out, preloaded=args.tiny)
     print(
         f"Llama-shaped ({shape}) fp32 model, LoRA r16 all-linear, checkpointing, {cfg['steps']} steps of 2 prompts x "
         f"{cfg['num_generations']} completions of up to {cfg['max_new_tokens']} tokens, reward: share of even token ids"

@@ -34,13 +34,12 @@ import json
 import math
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from peak_rss import PEAK  # benchmarks/ is on sys.path: these run as scripts
+from commands import run_python  # benchmarks/ is on sys.path: these run as scripts
+from peak_rss import PEAK
 
 # The data the HF and TRL routes train on: the Stanford prompt rendered once, here, so all routes
 # see the same text (lora-tune renders the same template from the alpaca columns itself).
@@ -268,9 +267,11 @@ def build_model(folder: Path, shape: str, corpus: list[str]) -> Path:
     return folder
 
 
-def run_route(script: str, base: Path, data: Path, cfg: dict, out: Path) -> dict:
+def run_route(script: str, base: Path, data: Path, cfg: dict, out: Path, preloaded: bool = False) -> dict:
+    """A route's figures. `preloaded` (the test suite's tiny shapes): forked with the libraries
+    imported (commands.run_python), where a real run starts each route in a fresh interpreter."""
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", script, str(base), str(data), json.dumps(cfg), str(out)], capture_output=True, text=True)
+    proc = run_python(script, [str(base), str(data), json.dumps(cfg), str(out)], preloaded)
     wall = time.perf_counter() - t
     line = next((row for row in proc.stdout.splitlines() if row.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:
@@ -340,7 +341,7 @@ def run_case(args, equal_length: bool, work: Path) -> dict:
             if out.exists():
                 shutil.rmtree(out)
             script, extra = ROUTES[name]
-            runs[name].append(run_route(script, base, data, {**cfg, **extra}, out))
+            runs[name].append(run_route(script, base, data, {**cfg, **extra}, out, preloaded=shape.startswith("tiny")))
     results = {name: summarise(repeats) for name, repeats in runs.items()}
     print(
         f"{n} {'equal-length' if equal_length else 'long-tail'} alpaca samples, Llama-shaped ({shape}) {args.precision} "

@@ -322,7 +322,7 @@ def main() -> int:
         for name, script in ROUTES.items():
             out = work / "".join(c if c.isalnum() else "_" for c in name)
             shutil.rmtree(out, ignore_errors=True)
-            runs[name].append(run_route(script, base, data, cfg, out))
+            runs[name].append(run_route(script, base, data, cfg, out, preloaded=args.tiny))
     results = {name: summarise(repeats) for name, repeats in runs.items()}
     ours, trl = results["lora-tune train"], results["TRL SFTTrainer"]
     if ours["trainable"] != trl["trainable"] or ours["steps"] != trl["steps"]:
