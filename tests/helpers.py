@@ -1,5 +1,6 @@
 """What the tests share besides fixtures: tiny datasets, the CLI drivers (in this process or a fresh
-one), the 2-process job runner, and readers of a run's outputs."""
+one), the 2-process job runner, readers of a run's outputs, and the image-text tests' rows, images,
+micro-batches and adapted models."""
 
 from __future__ import annotations
 
@@ -17,14 +18,18 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
+from PIL import Image
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
 from lora_tune.cli import main
 from lora_tune.config import TrainConfig
+from lora_tune.data.batching import collate
 from lora_tune.data.prepare import Sample
 from lora_tune.data.tokenize import Tokenize
 from lora_tune.models.head import IGNORE
+from lora_tune.models.loading import load_config, load_tokenizer
+from lora_tune.models.processors import load_image_text
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: presets, notebooks, README, benchmarks
 
@@ -239,3 +244,66 @@ def adapted_tiny_model(path: Path):
             if "lora_B" in name:
                 p.normal_(0, 0.05)
     return peft_model
+
+
+# --- image-text: rows asking for an image's colour, the images, micro-batches, adapted models --------
+COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+LANGUAGE_QV = r".*language_model.*\.(q_proj|v_proj)"  # peft targets: the language model's q/v projections alone
+
+
+def row(colour: str, image: str | None = None) -> dict:
+    """A chat row asking what colour `image` (a path; none: the question alone) is, answered `colour`."""
+    user = [{"type": "text", "text": "What colour is this?"}]
+    if image:
+        user.insert(0, {"type": "image", "image": image})
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": f"It is {colour}."}]}
+
+
+def colour_images(root: Path) -> None:
+    """root/img/NAME.png, 64x48 in each of COLOURS, and root/img/other-NAME.png, 48x64 in its complement."""
+    (root / "img").mkdir()
+    for name, colour in COLOURS.items():
+        Image.new("RGB", (64, 48), colour).save(root / "img" / f"{name}.png")
+        Image.new("RGB", (48, 64), tuple(255 - c for c in colour)).save(root / "img" / f"other-{name}.png")
+
+
+def load_image_text_of(base: Path):
+    return load_image_text(str(base), load_config(str(base), False), data_config())
+
+
+def samples_of(base: Path, folder: Path, rows: list[dict]):
+    """The rows through the tokenizing map function with the base's processor (images relative to
+    `folder`): (samples, the processor's ImageText)."""
+    image_text = load_image_text_of(base)
+    assert not isinstance(image_text, str), image_text
+    out = Tokenize(load_tokenizer(str(base), False), "messages", data_config(), "d.jsonl", image_text=image_text, folder=folder)(
+        {"messages": [r["messages"] for r in rows]}, list(range(len(rows)))
+    )
+    samples = [Sample(out["input_ids"][i], out["labels"][i], out["starts"][i], images=out["images"][i]) for i in range(len(rows))]
+    return samples, image_text
+
+
+def micro_batch(base: Path, folder: Path, rows: list[dict]):
+    """The rows as lora-tune collates them (images, blank image where none), and as text alone."""
+    samples, image_text = samples_of(base, folder, rows)
+    return collate([[s] for s in samples], 0, packed=False, image_text=image_text), collate([[s] for s in samples], 0, packed=False)
+
+
+def adapted_image_text_model(base: Path, targets):
+    """The image-text model in fp32 with an r4 adapter on `targets` (peft's target_modules) whose B is
+    not zero, seeded."""
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return peft_model
+
+
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    """The gradients the backward left (the trainable tensors'), cloned; the model's zeroed."""
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads

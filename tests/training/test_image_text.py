@@ -5,90 +5,54 @@ image reaches the loss, and the vision tower and projector stay frozen and unada
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from lora_tune.data.batching import collate
-from lora_tune.data.prepare import Sample
 from lora_tune.data.prompts import read_eval_prompts
-from lora_tune.data.tokenize import Tokenize
-from lora_tune.models.loading import load_config, load_tokenizer
-from lora_tune.models.processors import load_image_text
+from lora_tune.models.loading import load_tokenizer
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
 from lora_tune.notebook import show_samples
 from lora_tune.training.objectives.sft import CausalLMLoss
 
-from helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, single_error_line, write_jsonl
+from helpers import (
+    COLOURS,
+    LANGUAGE_QV,
+    adapted_image_text_model,
+    adapter_tensors,
+    colour_images,
+    fast_train_args,
+    load_image_text_of,
+    lora_grads,
+    micro_batch,
+    read_metrics,
+    row,
+    run_cli,
+    samples_of,
+    single_error_line,
+    write_jsonl,
+)
 
 FAMILIES = ("paddleocr_vl", "gemma3", "llava")
-COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
-
-
-def row(colour: str, image: str | None = None) -> dict:
-    user = [{"type": "text", "text": "What colour is this?"}]
-    if image:
-        user.insert(0, {"type": "image", "image": image})
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": f"It is {colour}."}]}
+WITH_TOWER = ["q_proj", "v_proj", "fc1", "linear_1"]  # every q/v, fc1 and projector linear too (--train-vision)
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("image_text_training")
-    (root / "img").mkdir()
-    for name, colour in COLOURS.items():
-        Image.new("RGB", (64, 48), colour).save(root / "img" / f"{name}.png")
-        Image.new("RGB", (48, 64), tuple(255 - c for c in colour)).save(root / "img" / f"other-{name}.png")
+    colour_images(root)
     bases = {family: build_tiny_image_text_model(family, root / family) for family in FAMILIES}
     return {"root": root, "bases": bases}
-
-
-def samples_of(base: Path, folder: Path, rows: list[dict]):
-    cfg = data_config()
-    image_text = load_image_text(str(base), load_config(str(base), False), cfg)
-    out = Tokenize(load_tokenizer(str(base), False), "messages", cfg, "d.jsonl", image_text=image_text, folder=folder)(
-        {"messages": [r["messages"] for r in rows]}, list(range(len(rows)))
-    )
-    samples = [Sample(out["input_ids"][i], out["labels"][i], out["starts"][i], images=out["images"][i]) for i in range(len(rows))]
-    return samples, image_text
-
-
-def load_image_text_of(base: Path):
-    return load_image_text(str(base), load_config(str(base), False), data_config())
-
-
-def micro_batch(base: Path, folder: Path, rows: list[dict]):
-    samples, image_text = samples_of(base, folder, rows)
-    return collate([[s] for s in samples], 0, packed=False, image_text=image_text), collate([[s] for s in samples], 0, packed=False)
-
-
-def adapted(base: Path, vision: bool = False):
-    """LoRA on the language model's q/v projections; `vision`: on every q/v, fc1 and projector linear too (--train-vision)."""
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
-    targets = ["q_proj", "v_proj", "fc1", "linear_1"] if vision else r".*language_model.*\.(q_proj|v_proj)"
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return peft_model
-
-
-def lora_grads(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return grads
 
 
 @pytest.mark.parametrize("family,vision", [(f, False) for f in FAMILIES] + [("paddleocr_vl", True), ("gemma3", True)])
 def test_the_trained_loss_equals_the_models_own_with_and_without_images(world, family, vision):
     base, folder = world["bases"][family], world["root"]
-    model = adapted(base, vision)
+    model = adapted_image_text_model(base, WITH_TOWER if vision else LANGUAGE_QV)
     for rows in ([row("red", "img/red.png"), row("blue", "img/blue.png"), row("green")], [row("green"), row("red")]):
         batch, text_only = micro_batch(base, folder, rows)
         inputs = dict(batch.inputs)
@@ -128,7 +92,7 @@ def test_packed_rows_with_images_equal_padded_ones_where_the_family_packs_exactl
     sample) computes what padded rows do, with the tower's LoRA too; the blank image of an image-less
     packed micro-batch is a sample of its own that changes nothing."""
     base, folder = world["bases"]["llava"], world["root"]
-    model = adapted(base, vision=True)
+    model = adapted_image_text_model(base, WITH_TOWER)
     samples, image_text = samples_of(base, folder, [row("red", "img/red.png"), row("green"), row("blue", "img/other-blue.png")])
     assert image_text.packing_refusal is None
     packed = collate([samples], 0, packed=True, image_text=image_text)

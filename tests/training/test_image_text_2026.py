@@ -16,74 +16,40 @@ except Exception as e:  # ImportError, or torchvision's operators failing to reg
     pytest.skip(f"torchvision can't be imported ({type(e).__name__}: {str(e).splitlines()[0][:120]})", allow_module_level=True)
 
 import torch
-from peft import LoraConfig, get_peft_model
 from PIL import Image
-from transformers import AutoModelForImageTextToText
 
-from lora_tune.data.batching import collate
-from lora_tune.data.prepare import Sample
-from lora_tune.data.tokenize import Tokenize
-from lora_tune.models.loading import load_config, load_tokenizer
-from lora_tune.models.processors import load_image_text
 from lora_tune.models.tiny.vision import build_tiny_image_text_model
 from lora_tune.training.objectives.sft import CausalLMLoss
 
-from helpers import adapter_tensors, data_config, fast_train_args, read_metrics, run_cli, write_jsonl
+from helpers import (
+    COLOURS,
+    LANGUAGE_QV,
+    adapted_image_text_model,
+    adapter_tensors,
+    colour_images,
+    fast_train_args,
+    load_image_text_of,
+    lora_grads,
+    micro_batch,
+    read_metrics,
+    row,
+    run_cli,
+    write_jsonl,
+)
 
 FAMILY = "qwen3_5"
-COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
-LANGUAGE_QV = r".*language_model.*\.(q_proj|v_proj)"
 WITH_TOWER = r".*\.(q_proj|v_proj|qkv|linear_fc1)"  # + the tower's fused qkv and MLP, the merger's first linear
-
-
-def row(colour: str, image: str | None = None) -> dict:
-    user = [{"type": "text", "text": "What colour is this?"}]
-    if image:
-        user.insert(0, {"type": "image", "image": image})
-    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": f"It is {colour}."}]}
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("image_text_2026")
-    (root / "img").mkdir()
-    for name, colour in COLOURS.items():
-        Image.new("RGB", (64, 48), colour).save(root / "img" / f"{name}.png")
-        Image.new("RGB", (48, 64), tuple(255 - c for c in colour)).save(root / "img" / f"other-{name}.png")
+    colour_images(root)
     return {"root": root, "base": build_tiny_image_text_model(FAMILY, root / FAMILY)}
 
 
-def micro_batch(base, folder, rows: list[dict]):
-    """The rows as lora-tune collates them (images, blank image where none), and as text alone."""
-    cfg = data_config()
-    image_text = load_image_text(str(base), load_config(str(base), False), cfg)
-    assert not isinstance(image_text, str), image_text
-    out = Tokenize(load_tokenizer(str(base), False), "messages", cfg, "d.jsonl", image_text=image_text, folder=folder)(
-        {"messages": [r["messages"] for r in rows]}, list(range(len(rows)))
-    )
-    samples = [Sample(out["input_ids"][i], out["labels"][i], out["starts"][i], images=out["images"][i]) for i in range(len(rows))]
-    return collate([[s] for s in samples], 0, packed=False, image_text=image_text), collate([[s] for s in samples], 0, packed=False)
-
-
-def adapted(base, targets: str):
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.05)
-    return peft_model
-
-
-def lora_grads(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
-    return grads
-
-
 def test_the_processor_is_the_familys_own_and_an_image_is_a_few_tokens(world):
-    image_text = load_image_text(str(world["base"]), load_config(str(world["base"]), False), data_config())
+    image_text = load_image_text_of(world["base"])
     assert type(image_text.processor).__name__ == "Qwen3VLProcessor"
     assert image_text.placeholder == "<|image_pad|>" and image_text.token_types == ["mm_token_type_ids"]
     assert image_text.packing_refusal == "qwen3_5 computes multimodal rotary positions over the whole sequence"
@@ -94,7 +60,7 @@ def test_the_processor_is_the_familys_own_and_an_image_is_a_few_tokens(world):
 @pytest.mark.parametrize("vision", [False, True], ids=["language-model", "with-tower"])
 def test_the_trained_loss_equals_the_models_own_with_and_without_images(world, vision):
     base, folder = world["base"], world["root"]
-    model = adapted(base, WITH_TOWER if vision else LANGUAGE_QV)
+    model = adapted_image_text_model(base, WITH_TOWER if vision else LANGUAGE_QV)
     for rows in ([row("red", "img/red.png"), row("blue", "img/other-blue.png"), row("green")], [row("green"), row("red")]):
         batch, text_only = micro_batch(base, folder, rows)
         inputs = dict(batch.inputs)
