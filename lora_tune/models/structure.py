@@ -147,17 +147,16 @@ def linear_name(name: str) -> str:
     return ".".join(parts[-keep:])
 
 
-def anchored_pattern(prefix: str, short_names, vision: tuple[str, ...] = (), vision_names=()) -> str:
+def anchored_pattern(prefix: str, short_names, vision: tuple[str, ...] = ()) -> str:
     """A peft target pattern (re.fullmatch on module names) for the modules named `short_names`
-    inside the blocks under `prefix`, and, with `vision` paths, those named `vision_names` anywhere
-    under them (--train-vision); nowhere else."""
+    inside the blocks under `prefix`, and, with `vision` paths, anywhere under them too
+    (--train-vision); nowhere else."""
     names = "|".join(re.escape(n) for n in sorted(short_names))
     pattern = rf"{re.escape(prefix)}\.(?:.+\.)?\d+\.(?:.+\.)?(?:{names})"
-    if not vision or not vision_names:
+    if not vision or not short_names:
         return pattern
     roots = "|".join(re.escape(v) for v in vision)
-    inside = "|".join(re.escape(n) for n in sorted(vision_names))
-    return rf"(?:{pattern})|(?:(?:{roots})\.(?:.+\.)?(?:{inside}))"
+    return rf"(?:{pattern})|(?:(?:{roots})\.(?:.+\.)?(?:{names}))"
 
 
 def recurrent_layers(config) -> int:

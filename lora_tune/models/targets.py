@@ -100,7 +100,7 @@ class Targets:
         """What peft's LoraConfig(target_modules=...) takes (and adapter_config.json records)."""
         if self.scope is None or not self.modules:
             return list(self.modules)
-        return anchored_pattern(self.scope, self.modules, self.vision, self.modules)
+        return anchored_pattern(self.scope, self.modules, self.vision)
 
     def weights(self, model) -> set[str]:
         """The names of the base tensors these targets adapt in `model` (unwrapped)."""
