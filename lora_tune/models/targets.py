@@ -119,7 +119,7 @@ class Targets:
             (name, module)
             for root in self.vision
             for name, module in model.get_submodule(root).named_modules(prefix=root)
-            if is_linear(module) and linear_name(name) in self.modules
+            if is_plain_linear(module) and linear_name(name) in self.modules
         ]
 
     def describe(self, model) -> str:
