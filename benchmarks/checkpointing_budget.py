@@ -23,12 +23,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from commands import bench_options, train_argv
+from commands import bench_options, run_python, train_argv
 from train_vs_peers import build_model, long_tail_rows
 
+# A script run as `python SCRIPT ARGS...` would run it, from `python -c` (commands.run_python).
+AS_MAIN = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
-def train(argv: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, capture_output=True, text=True)
+
+def train(argv: list[str], preloaded: bool = False) -> subprocess.CompletedProcess:
+    """`argv` ([python, script or -m module, ...]) to its end, output captured; `preloaded` (--tiny):
+    forked from the server that has imported the libraries (commands.run_python)."""
+    if preloaded:
+        proc = run_python(AS_MAIN, argv[1:], preloaded=True)
+    else:
+        proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"route failed:\n{proc.stderr[-3000:]}")
     return proc
@@ -44,7 +52,8 @@ def run(base: Path, data: Path, out: Path, seq: int, steps: int, extra: list[str
     peak_file = measured.with_suffix(".json")
     tensor_peak = [sys.executable, str(Path(__file__).with_name("tensor_peak.py")), str(peak_file)]
     t = time.perf_counter()
-    proc = train([*tensor_peak, *train_argv(base, data, measured, "--no-data-cache", *extra, **options)[1:]])  # argv[0] is python
+    tracked = [*tensor_peak, *train_argv(base, data, measured, "--no-data-cache", *extra, **options)[1:]]  # argv[0] is python
+    proc = train(tracked, preloaded=not timed)
     if timed:
         t = time.perf_counter()
         proc = train(argv)
