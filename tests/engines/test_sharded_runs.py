@@ -101,10 +101,11 @@ NO_PERSISTENCE = {"zero_optimization": {"stage3_param_persistence_threshold": 0}
 
 # --compile on 2 ranks, against fsdp-fp32-exact's eager run of the same steps.
 COMPILED = {"fsdp-fp32-compiled": dict(backend="fsdp", compile=True), "zero2-fp32-compiled": dict(zero=2, compile=True)}
-# Three steps: the first compiles, the second runs updated weights, the third a batch of another
-# width (a recompile). Each further width costs ~20 s of compiling on 2 ranks at once (FSDP2, 2
-# cores); the bound on graphs over many widths is the single device's (tests/training/test_compilation.py).
-COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 3}
+# Two steps: the first compiles, the second trains the updated weights through the compiled layers.
+# A later step of a new width recompiles, which costs 35 s (ZeRO-2) to 80 s (FSDP2) on 2 ranks with
+# a cold Inductor cache (a fresh checkout): recompiling over many widths is tested on one device
+# (tests/training/test_compilation.py, 20 steps).
+COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 2}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
@@ -335,9 +336,8 @@ def test_compiled_layers_under_sharding_train_the_eager_losses(name, jobs):
     # The job's runs share 2 processes: what an earlier run compiled is not compiled again here. The
     # bound is a single device's (tests/test_compilation.py): kinds of batch and pass, never batches.
     graphs = [int(n) for n in re.findall(r"over the run: compiled (\d+) graph", err)]
-    at_step_1 = [int(n) for n in re.findall(r"step 1: compiled (\d+) graph", err)]
-    assert len(graphs) == 1 and at_step_1[0] < graphs[0] <= 10  # a later step's new width compiled too
-    assert step_losses(out) == pytest.approx(step_losses(eager), rel=1e-5) and len(step_losses(out)) == 3
+    assert len(graphs) == 1 and graphs[0] <= 10
+    assert step_losses(out) == pytest.approx(step_losses(eager), rel=1e-5) and len(step_losses(out)) == 2
 
 
 @pytest.mark.parametrize("name", list(PREFERENCE))
