@@ -56,6 +56,12 @@ def add_flag(parser, name: str, f) -> None:
     if kind is bool:
         parser.add_argument(flag(name, f), action=argparse.BooleanOptionalAction, **kw)
         return
+    value = (f.json_schema_extra or {}).get("flag_value")
+    if value:  # a switch that may name what it acts on: --x alone is on, --x VALUE names it, --no-x off
+        parser.add_argument(flag(name, f), nargs="?", const=True, type=str, metavar=value, **kw)
+        off = dict(dest=name, action="store_false", default=argparse.SUPPRESS, help=f"{flag(name, f)} off")
+        parser.add_argument("--no-" + flag(name, f).removeprefix("--"), **off)
+        return
     if typing.get_origin(kind) is typing.Literal:
         choices = typing.get_args(kind)
         kw["metavar"] = "|".join(map(str, choices))
@@ -257,6 +263,20 @@ def without_flags(argv: list[str], *names: str) -> list[str]:
     return out
 
 
+def continue_command(argv: list[str]) -> str:
+    """The command that continues this run from its newest checkpoint: argv with --resume alone (a
+    checkpoint it named is behind the run by then; `train` takes no positional after a flag)."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--resume" and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            i += 1  # its CHECKPOINT
+        elif not (a == "--resume" or a.startswith("--resume=")):
+            out.append(a)
+        i += 1
+    return "lora-tune " + shlex.join([*out, "--resume"])
+
+
 def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
@@ -272,8 +292,7 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
         # Its summaries (data, memory plan) are left to rank 0, which prints them again.
         logging.getLogger("lora_tune").setLevel(logging.WARNING)
         check_inputs(cfg)
-        resume = "lora-tune " + shlex.join(argv) + ("" if cfg.resume else " --resume")
-        return launcher.launch_job(cfg, without_flags(argv, "--nproc"), resume)
+        return launcher.launch_job(cfg, without_flags(argv, "--nproc"), continue_command(argv))
     if os.environ.get(launcher.LAUNCHER_ENV, "").isdigit():  # a rank of our --nproc launcher: stop when it dies
         launcher.stop_with_parent(int(os.environ[launcher.LAUNCHER_ENV]))
     try:

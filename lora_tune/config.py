@@ -48,8 +48,14 @@ class TrainConfig(
     """`lora-tune train`: every option of every section, flat."""
 
     @classmethod
+    def resume_rules(cls) -> dict[str, dict]:
+        """Each field's behaviour on --resume (`lora_tune.options`: free, math, fixed with its reason)."""
+        return {n: f.json_schema_extra or {} for n, f in cls.model_fields.items()}
+
+    @classmethod
     def math_keys(cls) -> list[str]:
-        return [n for n, f in cls.model_fields.items() if (f.json_schema_extra or {}).get("resume_rule") == "math"]
+        """The settings a checkpoint records: what the run computes (math) and what its state is made of (fixed)."""
+        return [n for n, rule in cls.resume_rules().items() if rule.get("resume_rule") in ("math", "fixed")]
 
     @classmethod
     def sections(cls) -> list[tuple[str, list[str]]]:

@@ -4,9 +4,12 @@ files, CLI flags and `--help`.
 Every field of a config is a YAML key and a flag (`max_seq_len` <-> `--max-seq-len`); its
 description is the help text. Each room declares the options it reads as a section (`Options`
 subclasses: `lora_tune.models.options`, `lora_tune.data.options`, ...), composed into the one flat
-`lora_tune.config.TrainConfig`. Fields are tagged by how they behave on `--resume`: "math" fields
-change what the run computes and must match the checkpoint; the others (run length, cadence,
-reporting) may change.
+`lora_tune.config.TrainConfig`. Fields are tagged by how they behave on `--resume` (the README's
+resume table is generated from these tags): "math" fields change what the run computes: a change is
+refused unless `--allow-config-change`, which applies it from the first resumed step; "fixed" fields
+are what the checkpoint's state is made of (the adapter's shape, the optimizer's kind, the backend's
+layout, the place in the data): a change is refused either way, saying why; the others (run length,
+cadence, reporting) may change.
 """
 
 from __future__ import annotations
@@ -21,8 +24,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from lora_tune.errors import UserError, did_you_mean
 
-MATH = {"resume_rule": "math"}  # changing it on resume changes the result: refused
+MATH = {"resume_rule": "math"}  # changing it on resume changes the result: refused unless --allow-config-change (then applied)
 FREE = {"resume_rule": "free"}  # run length, cadence, reporting, paths: may change on resume
+
+
+def fixed(why: str, from_checkpoint: bool = True) -> dict:
+    """A setting the checkpoint's state is made of: changing it on --resume is refused, with or
+    without --allow-config-change. `why` completes "the checkpoint ..." in the error line and the
+    README's resume table; `from_checkpoint`: a new run can start from the checkpoint's adapter
+    with the new value (`--init-adapter CHECKPOINT`), which an adapter of another shape can't."""
+    return {"resume_rule": "fixed", "resume_why": why, "from_checkpoint": from_checkpoint}
 
 
 class Options(BaseModel):

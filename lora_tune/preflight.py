@@ -55,7 +55,14 @@ from lora_tune.training.objectives import registry as objectives
 from lora_tune.training.objectives.reference import reference_plan
 from lora_tune.training.rewards import load_rewards
 from lora_tune.training.rollout import check_reward_columns, steps_per_epoch
-from lora_tune.training.run_folder import check_not_a_model, check_output_dir, check_resume_compatible, run_world_size
+from lora_tune.training.run_folder import (
+    check_not_a_model,
+    check_output_dir,
+    check_resume_data,
+    check_resume_settings,
+    check_steps_left,
+    run_world_size,
+)
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -99,15 +106,25 @@ def check_sequence_parallel(cfg: TrainConfig, config) -> None:
         raise UserError(f"--sequence-parallel {n}: {reason}")
 
 
-def check_rewards_unchanged(rewards, saved_state: dict | None) -> None:
+def check_rewards_unchanged(cfg: TrainConfig, rewards, saved_state: dict | None) -> dict | None:
     """A resumed GRPO run scores with the functions it started with: another function (or another
-    version of its file) would train another objective from the checkpoint on."""
+    version of its file) trains another objective from the checkpoint on. Refused by default; with
+    --allow-config-change (a bug fixed in a reward, the common case) the new ones score from the
+    first resumed step, said in the log and recorded in the state's config changes."""
     saved = (saved_state or {}).get("rewards_fingerprint")
-    if saved is not None and saved != rewards.fingerprint():
+    if saved is None or saved == rewards.fingerprint():
+        return saved_state
+    changed = ", ".join(rewards.changed_since(saved)) or "their files"
+    if not cfg.allow_config_change:
         raise UserError(
-            "--resume: the --reward functions (or their files) changed since the checkpoint was written; resume with the ones it "
-            "was trained with, or start a new run (--init-adapter CHECKPOINT --output-dir NEW)"
+            f"--resume: the reward functions changed since the checkpoint was written ({changed}); resume with the ones it was "
+            "trained with, or pass --allow-config-change to score with these from the first resumed step (a fixed bug, say)"
         )
+    log.warning(
+        "resuming with changed reward functions (--allow-config-change), scoring from step %d: %s", saved_state["step"] + 1, changed
+    )
+    change = {"step": saved_state["step"], "changed": {"reward functions": changed}}
+    return {**saved_state, "config_changes": [*saved_state.get("config_changes", []), change]}
 
 
 def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
@@ -164,6 +181,11 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     engines.check_compatibility(cfg)
     compilation.check_cell(cfg, engines.spec_of(cfg))
     objectives.check_options(cfg)
+    if cfg.eval_steps and not (cfg.eval_data or cfg.eval_split or cfg.eval_prompts or cfg.eval_tasks):
+        raise UserError(
+            f"--eval-steps {cfg.eval_steps}: there is nothing to evaluate (no --eval-data, --eval-split, --eval-prompts or "
+            "--eval-tasks); add one, or leave --eval-steps out"
+        )
     objective = objectives.of(cfg)
     rewards = load_rewards(reward_functions or cfg.reward, cfg.reward_weights) if objective.online else None
     check_reporter(cfg.report_to)
@@ -172,6 +194,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     check_not_a_model(Path(cfg.output_dir).expanduser(), base_path)
     output_dir, resume_from = check_output_dir(cfg)
     fingerprint = base_fingerprint(base_path, cfg.allow_bin)
+    saved_state = check_resume_settings(cfg, resume_from, fingerprint) if resume_from else None
     tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
@@ -219,10 +242,10 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     for line in data.per_source if len(data.per_source) > 1 else []:
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
-    saved_state = check_resume_compatible(cfg, data, resume_from, fingerprint) if resume_from else None
+    saved_state = check_resume_data(cfg, saved_state, data, resume_from) if resume_from else None
     if rewards:
         check_reward_columns(rewards, data.train)
-        check_rewards_unchanged(rewards, saved_state)
+        saved_state = check_rewards_unchanged(cfg, rewards, saved_state)
     row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
     batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)
     if levers.packing and not objective.online:  # online objectives pack the completions they generate
@@ -238,6 +261,8 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch(cfg, len(data.train))))
     else:
         steps = total_steps(cfg, len(batches))
+    if resume_from:
+        check_steps_left(cfg, saved_state, steps, resume_from, output_dir)
     plan = memory_plan(cfg, device, levers.pass_tokens, levers.attention)
     reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(

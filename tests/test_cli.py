@@ -302,6 +302,10 @@ BAD_INPUT = {
         "--compile: bitsandbytes' 4bit layers don't compile (Inductor can't trace their kernels); use --precision bf16",
     ),
     "compile under zero-3": (lambda c: c.train(zero=3, compile=True), "--compile: ZeRO-3 gathers its sharded weights from hooks inside"),
+    "evaluation steps with nothing to evaluate": (
+        lambda c: c.train(eval_steps=2),
+        "--eval-steps 2: there is nothing to evaluate (no --eval-data, --eval-split, --eval-prompts or --eval-tasks)",
+    ),
     "several processes on one device": (
         lambda c: c.train(nproc=2, backend="single"),
         "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",

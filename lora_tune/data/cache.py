@@ -148,7 +148,7 @@ def read_entry(folder: Path):
     if missing:
         raise ValueError(f"no column {sorted(missing)[0]!r}")
     stats = meta["stats"]
-    kept = stats["rows"] - stats["dropped_long"] - stats["dropped_no_labels"] - stats["dropped_same"]
+    kept = stats["rows"] - stats["dropped_long"] - stats["dropped_no_labels"] - stats["dropped_same"] - stats.get("dropped_cut", 0)
     if len(dataset) != kept:
         raise ValueError(f"{len(dataset)} rows, not the {kept} written")
     return dataset, meta

@@ -25,7 +25,7 @@ import pyarrow
 import torch
 
 from lora_tune.data import cache, formats, images, sources
-from lora_tune.data.tokenize import DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
+from lora_tune.data.tokenize import DROPPED_CUT, DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, NO_LABEL, TRUNCATED, Tokenize
 from lora_tune.errors import UserError, first_line
 
 PARALLEL_FROM = 20_000  # rows; below this, starting worker processes costs more than it saves
@@ -73,12 +73,28 @@ class DataStats:
     dropped_no_labels: int = 0
     dropped_same: int = 0
     tokens: int = 0
+    dropped_cut: int = 0  # truncated with every trainable token past the cut (cache entries of before count them as no labels)
 
     def summary(self) -> str:
         same = f", {self.dropped_same} pairs dropped with chosen == rejected" if self.dropped_same else ""
+        cut = f", {self.dropped_cut} dropped with every trainable token past --max-seq-len" if self.dropped_cut else ""
         return (
             f"{self.rows} rows; {self.truncated} truncated, {self.dropped_long} dropped as too long, "
-            f"{self.dropped_no_labels} dropped with no trainable tokens{same}"
+            f"{self.dropped_no_labels} dropped with no trainable tokens{cut}{same}"
+        )
+
+    def advice(self) -> str:
+        """What to change when nothing is left: for the reason most rows were dropped."""
+        most = max(self.dropped_same, self.dropped_long, self.dropped_cut)
+        if most == 0 or self.dropped_no_labels >= most:
+            return "give samples with a response to train on (or pass --train-on-prompt to train on the prompt too)"
+        if self.dropped_same == most:
+            return "give pairs whose chosen and rejected answers differ"
+        if self.dropped_long == most:  # only under --long-samples drop
+            return "raise --max-seq-len, or use --long-samples truncate (keeps the start of each long sample)"
+        return (  # truncated, the default
+            "raise --max-seq-len: samples are cut to it, and those whose response begins past it keep no trainable token (or pass "
+            "--train-on-prompt to train on the prompt too)"
         )
 
     def add(self, other: DataStats) -> None:
@@ -195,8 +211,9 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
             "dropped_long": status.count(DROPPED_LONG),
             "dropped_no_labels": status.count(DROPPED_NO_LABELS),
             "dropped_same": status.count(DROPPED_SAME),
+            "dropped_cut": status.count(DROPPED_CUT),
         }
-        dropped = {DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME}
+        dropped = {DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME, DROPPED_CUT}
         if any(s in dropped for s in status):
             ds = ds.select([i for i, s in enumerate(status) if s not in dropped], keep_in_memory=workdir is None)
         ds = ds.remove_columns(["status"])
@@ -301,10 +318,7 @@ def prepare_data(cfg, tokenizer, refusal=None, image_text=None) -> PreparedData:
             f"{source.label}: {meta['format']}, {source_stats.summary()}; {len(ds)} samples, {source_stats.tokens:,} tokens{share}"
         )
     if not picks or all(len(d) == 0 for d, _ in built):
-        raise UserError(
-            f"--data: no usable samples in {', '.join(s.label for s in train_sources)} ({stats.summary()}); raise "
-            "--max-seq-len or use --long-samples truncate"
-        )
+        raise UserError(f"--data: no usable samples in {', '.join(s.label for s in train_sources)} ({stats.summary()}); {stats.advice()}")
     train = select([d for d, _ in built], picks)
     eval_ds, eval_keys, eval_metas = None, [], []
     if cfg.eval_data:

@@ -34,6 +34,7 @@ from lora_tune.errors import UserError
 from lora_tune.models.head import IGNORE
 
 KEPT, TRUNCATED, DROPPED_LONG, DROPPED_NO_LABELS, DROPPED_SAME = 0, 1, 2, 3, 4
+DROPPED_CUT = 5  # truncated to --max-seq-len, and every trainable token lay past the cut
 NO_LABEL = -1  # the `label` of a sample that is not a KTO row
 
 
@@ -201,7 +202,7 @@ class Tokenize:
 
     def _cut(self, ids: list[int], labels: list[int], where: str = "") -> tuple[int, list[int], list[int]]:
         """One sequence truncated or dropped to --max-seq-len, its first label masked."""
-        status = KEPT
+        status, labelled = KEPT, any(label != IGNORE for label in labels[1:])
         if len(ids) > self.max_len:
             if self.long == "drop":
                 return DROPPED_LONG, [], []
@@ -214,7 +215,7 @@ class Tokenize:
         labels = [IGNORE] + list(labels[1:])
         # A sequence whose labels are all masked adds nothing but a 0/0 to the loss (trl #6668).
         if all(label == IGNORE for label in labels):
-            return DROPPED_NO_LABELS, [], []
+            return (DROPPED_CUT if labelled else DROPPED_NO_LABELS), [], []
         return status, ids, labels
 
     def _finish(self, sequences: list[tuple[list[int], list[int]]], label: bool | None, out: dict, where: str = "") -> None:

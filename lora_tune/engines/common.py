@@ -10,6 +10,7 @@ from pathlib import Path
 
 import bitsandbytes as bnb
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import GenerationConfig, get_scheduler
 
 from lora_tune.engines import ranks as dist
@@ -35,6 +36,21 @@ def warmup_steps(cfg, total_steps: int) -> int:
 def build_scheduler(cfg, optimizer, total_steps: int):
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_scheduler]
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps(cfg, total_steps), num_training_steps=total_steps)
+
+
+def resumed_scheduler(cfg, scheduler, saved_schedule: dict) -> LambdaLR:
+    """After a checkpoint's optimizer state is loaded: the moments and step counts are the
+    checkpoint's, the hyperparameters this run's. Loading a state dict restores each param group's
+    learning rate and weight decay as saved, so a changed --lr or --weight-decay (with
+    --allow-config-change) would be ignored and the first resumed step would run at the old
+    schedule's rate; instead both are set from the config, and the schedule this run built (its
+    --lr-scheduler, warmup and length) is positioned at the step the checkpoint's schedule reached,
+    each group's rate evaluated there. With nothing changed, every value equals the saved one."""
+    optimizer = scheduler.optimizer
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # Built at last_epoch = step - 1, a LambdaLR takes its initial step to `step` (torch's API).
+    return LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=saved_schedule["last_epoch"] - 1)
 
 
 def autocast(precision: str, device: torch.device):

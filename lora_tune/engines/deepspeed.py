@@ -276,7 +276,7 @@ class DeepSpeedEngine:
         # ZeRO takes the list of every rank's partition and picks its own by rank; each rank
         # saved and reloads only its own, so the list holds that one at every index.
         self.optimizer.load_state_dict([saved] * dist.world_size())
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler = self.ds.lr_scheduler = common.resumed_scheduler(self.cfg, self.scheduler, state["scheduler"])
         replay_cpu_adam_steps(self.optimizer.optimizer)
 
     def memory_report(self) -> str | None:

@@ -211,7 +211,7 @@ class FSDPEngine:
     def load_state(self, folder: Path) -> None:
         state = common.load_rank_state(folder)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler = common.resumed_scheduler(self.cfg, self.scheduler, state["scheduler"])
 
     def memory_report(self) -> str | None:
         base = [p for p in self.model.parameters() if not p.requires_grad]

@@ -120,7 +120,7 @@ class SingleDeviceEngine:
     def load_state(self, folder: Path) -> None:
         state = common.load_rank_state(folder)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.scheduler = common.resumed_scheduler(self.cfg, self.scheduler, state["scheduler"])
         if self.scaler and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
 

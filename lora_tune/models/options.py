@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from lora_tune.options import FREE, MATH, Options
+from lora_tune.options import FREE, MATH, Options, fixed
 
 # Base precisions; which combinations run is each backend's call (lora_tune.engines).
 Precision = Literal["fp32", "bf16", "fp16", "8bit", "4bit"]
@@ -40,12 +40,21 @@ class ModelOptions(Options):
     )
 
 
+# On --resume: the checkpoint's adapter tensors and their optimizer state have its shape.
+ADAPTER_SHAPE = fixed("holds adapter tensors (and their optimizer state) of that shape", from_checkpoint=False)
+
+
 class LoraOptions(Options):
     """The adapter's shape (read by lora_tune.models.targets and .adapter)."""
 
     section = "LoRA"
 
-    rank: int = Field(16, gt=0, json_schema_extra={**MATH, "hint": "typical values are 8, 16, 32, 64"}, description="LoRA rank r.")
+    rank: int = Field(
+        16,
+        gt=0,
+        json_schema_extra={**ADAPTER_SHAPE, "hint": "typical values are 8, 16, 32, 64"},
+        description="LoRA rank r.",
+    )
     alpha: float | None = Field(
         None, json_schema_extra=MATH, description="LoRA alpha (scale = alpha / r, or alpha / sqrt(r) with --rslora). Default: 2 x rank."
     )
@@ -59,21 +68,21 @@ class LoraOptions(Options):
     )
     target_modules: list[str] | None = Field(
         None,
-        json_schema_extra=MATH,
+        json_schema_extra=ADAPTER_SHAPE,
         description="Module names to adapt, e.g. q_proj v_proj. Default: every linear layer of the transformer blocks (never lm_head).",
     )
     train_vision: bool = Field(
         False,
-        json_schema_extra=MATH,
+        json_schema_extra=ADAPTER_SHAPE,
         description="Image-text models: also put LoRA on the vision tower's and projector's linear layers (every one by default; "
         "with --target-modules, those of the names given, in both parts). Off: they stay frozen, get no LoRA and no gradients, "
         "and target names that also match them are left out and reported.",
     )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
-    dora: bool = Field(False, json_schema_extra=MATH, description="Weight-decomposed LoRA (DoRA).")
+    dora: bool = Field(False, json_schema_extra=ADAPTER_SHAPE, description="Weight-decomposed LoRA (DoRA).")
     init_adapter: str | None = Field(
         None,
-        json_schema_extra=MATH,
+        json_schema_extra=fixed("continues its own adapter, which started from this one (dpo/ipo/kto's reference too)"),
         description="Start from this adapter folder (e.g. an SFT run's output) instead of a fresh adapter; it is also the reference of "
         "dpo/ipo/kto. Its rank and targets become the run's.",
     )

@@ -79,7 +79,7 @@ def compute(cfg) -> Plan:
             setup, est = nearest
             text = "nothing fits; the nearest option:\n" + render.table(est, setup, gpu_bytes, cpu_bytes, arch.layers)
         else:
-            setup, command = best, render.train_command(cfg.base, best)
+            setup, command = best, render.train_command(cfg.base, best, cfg.data, cfg.output_dir)
             recommended = asdict(best) | {"command": command}
             table = render.table(est, best, gpu_bytes, cpu_bytes, arch.layers)
             text = f"fastest setup that fits (relative speed {relative_speed(best, arch.layers):.2f}):\n{table}\n\n{command}"
@@ -110,7 +110,7 @@ def context_plan(cfg, arch, setup: Setup, gpu_bytes: int, cpu_bytes: int | None)
         return Plan(est, False, setup, bool(cfg.auto), None, text)
     best = max(found, key=lambda s: (s.max_seq_len, -s.sequence_parallel))
     est = estimate(arch, best)
-    command = render.train_command(cfg.base, best)
+    command = render.train_command(cfg.base, best, cfg.data, cfg.output_dir)
     table = render.table(est, best, gpu_bytes, cpu_bytes, arch.layers)
     text = f"longest --max-seq-len that fits: {best.max_seq_len:,} tokens\n{table}\n\n{command}"
     recommended = asdict(best) | {"command": command, "max_context": best.max_seq_len}

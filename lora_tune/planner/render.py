@@ -3,6 +3,7 @@ advice printed on an out-of-memory stop."""
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import replace
 
 from lora_tune.engines import registry as engines
@@ -27,6 +28,14 @@ OOM_ADVICE = [
 
 def gib(x: int) -> str:
     return f"{x / GIB:8.2f} GiB"
+
+
+def size(x: int) -> str:
+    """A byte count in the largest unit that keeps it above 1 (a tiny --cpu-memory is not "0.0 GiB")."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x} bytes"
 
 
 def checkpointing_text(setup: Setup, layers: int) -> str:
@@ -68,13 +77,22 @@ def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, la
         )
     margin = gpu_bytes - est.per_device["total_bytes"]
     verdict = "fits" if margin >= 0 else "does NOT fit"
-    rows.append(f"{verdict} in {gpu_bytes / GIB:.1f} GiB per GPU ({'spare' if margin >= 0 else 'short by'} {abs(margin) / GIB:.2f} GiB)")
+    rows.append(f"{verdict} in {size(gpu_bytes)} per GPU ({'spare' if margin >= 0 else 'short by'} {abs(margin) / GIB:.2f} GiB)")
     if cpu_bytes is not None and est.host["total_bytes"] > cpu_bytes:
-        rows.append(f"host memory does NOT fit: needs {est.host['total_bytes'] / GIB:.1f} GiB of {cpu_bytes / GIB:.1f} GiB")
+        rows.append(f"host memory does NOT fit: needs {size(est.host['total_bytes'])} of {size(cpu_bytes)}")
     return "\n".join(rows)
 
 
-def train_command(base: str, setup: Setup) -> str:
+def train_command(base: str, setup: Setup, data: list | None = None, output_dir: str | None = None) -> str:
+    """The `train` command of a recommended setup, with the plan's --data and --output-dir when it
+    was given them (a data source written as a YAML mapping has no flag form: FILE stands for it)."""
+    paths = [d for d in data or [] if isinstance(d, str)]
+    where = " ".join(
+        [
+            "--data " + (" ".join(shlex.quote(d) for d in paths) if paths and len(paths) == len(data) else "FILE"),
+            "--output-dir " + (shlex.quote(output_dir) if output_dir else "DIR"),
+        ]
+    )
     parts = [
         "lora-tune train",
         f"--base {base}",
@@ -106,10 +124,10 @@ def train_command(base: str, setup: Setup) -> str:
             f"torchrun --nnodes {setup.nodes} --nproc-per-node {setup.gpus} --node-rank RANK --master-addr HOST --master-port 29500 "
             "-m lora_tune train"
         )
-        return " ".join([launcher, *parts[1:]]) + " --data FILE --output-dir DIR"
+        return " ".join([launcher, *parts[1:], where])
     if setup.gpus > 1:
         parts.append(f"--nproc {setup.gpus}")
-    return " ".join(parts) + " --data FILE --output-dir DIR"
+    return " ".join([*parts, where])
 
 
 def quantization_note(arch: Architecture, precision: str) -> str | None:

@@ -22,7 +22,7 @@ import socket
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from lora_tune.engines import ranks as dist
@@ -136,10 +136,12 @@ class TrainerState:
     tokens_seen: int = 0
     bad_steps_in_a_row: int = 0
     best_eval_loss: float | None = None
+    # Settings changed on resume (--allow-config-change), each {"step": resumed at, "changed": {key: [old, new]}}.
+    config_changes: list = field(default_factory=list)
 
     @classmethod
     def saved(cls, state: dict) -> TrainerState:
-        return cls(**{f.name: state[f.name] for f in fields(cls)})
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
 
 def write(
@@ -193,6 +195,7 @@ def read_trainer_state(path: Path) -> dict:
     ok = isinstance(state, dict) and all(whole(state.get(k)) for k in ("step", "tokens_seen", "bad_steps_in_a_row"))
     ok = ok and (state.get("best_eval_loss") is None or isinstance(state["best_eval_loss"], (int, float)))
     ok = ok and isinstance(state.get("math_config", {}), dict) and whole(state.get("world_size", 1))
+    ok = ok and isinstance(state.get("config_changes", []), list)
     if not ok:
         raise UserError(f"{path} is not a trainer state lora-tune wrote; delete that checkpoint to resume from an older one")
     return state

@@ -110,7 +110,9 @@ class TrainingLoop:
             "eval": (len(data.eval), self.inputs.objective.sequences_per_unit),
         }
         own = self.inputs.output_dir / reference.REFERENCE_FILE
-        for source in (own, plan.cache):
+        resume_from = self.inputs.resume_from
+        origin = resume_from.parent / reference.REFERENCE_FILE if resume_from else None  # another folder's run, continued here
+        for source in (own, origin, plan.cache):
             if source is not None and source.is_file():
                 tables = reference.read_tables(source, expected)
                 if tables is not None:
@@ -186,11 +188,17 @@ class TrainingLoop:
         except RewardError as e:  # the user's reward function failed: said in one line, the last checkpoint kept
             good = ckpt.newest_complete(self.inputs.output_dir)
             kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
-            raise TrainingStopped(f"{e} at step {state.step + 1}; {kept}. Fix the function and rerun (with --resume)", 1, "error") from None
+            raise TrainingStopped(
+                f"{e} at step {state.step + 1}; {kept}. Fix the function and continue with --resume --allow-config-change (the fixed "
+                "function scores from the first resumed step)",
+                1,
+                "error",
+            ) from None
         # The step's loss is the sum over every label token of every rank, divided by their count.
         # Each rank divides by count / world size, because the backends average gradients over
         # ranks: N ranks then compute exactly what one process would.
         divisor = self._step_totals(batches)
+        lr = self.engine.lr  # the rate this step's update uses (the schedule moves on when it is taken)
         try:
             loss = sum(float(self.engine.forward_backward(b, divisor)) for b in batches)
             loss = dist.all_sum(loss) / dist.world_size()  # what is logged: the whole step's loss
@@ -217,7 +225,7 @@ class TrainingLoop:
                 {
                     "step": state.step,
                     "loss": loss,
-                    "lr": self.engine.lr,
+                    "lr": lr,
                     "grad_norm": grad_norm,
                     "tokens_per_s": step_tokens / seconds,
                     "peak_memory_bytes": peak,

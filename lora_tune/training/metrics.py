@@ -75,15 +75,18 @@ def read_records(path: Path, with_lines: bool = False) -> tuple[list, list[int]]
 
 
 class MetricsLog:
-    def __init__(self, output_dir: Path, report_to: str, config: dict, resume_step: int | None, callback=None):
+    def __init__(self, output_dir: Path, report_to: str, config: dict, resume_step: int | None, callback=None, history: Path | None = None):
+        """`history`: on resume, the metrics of the run the checkpoint belongs to (another folder's
+        when `--resume CHECKPOINT` continues it in a new one; default: this folder's)."""
         self.callback = callback
         self.path = output_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
+        history = history or self.path
+        if resume_step is not None and history.is_file():
             # Lines written after the checkpoint we resume from belong to steps that will be redone; a
             # line that is not a record (torn by a kill mid-append) is dropped, and said.
-            records, bad = read_records(self.path, with_lines=True)
+            records, bad = read_records(history, with_lines=True)
             if bad:
-                log.info("metrics: dropped %d unreadable line(s) of %s (line %s; torn by a killed process)", len(bad), self.path, bad[-1])
+                log.info("metrics: dropped %d unreadable line(s) of %s (line %s; torn by a killed process)", len(bad), history, bad[-1])
             self.path.write_text("".join(line + "\n" for line, r in records if r.get("step", 0) <= resume_step))
         self.file = self.path.open("a")
         self.tb = self.wandb = None

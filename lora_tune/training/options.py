@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from lora_tune.options import FREE, MATH, Options
+from lora_tune.options import FREE, MATH, Options, fixed
 
 
 class OptimOptions(Options):
@@ -17,7 +17,9 @@ class OptimOptions(Options):
 
     optim: Literal["adamw_8bit", "paged_adamw_8bit", "adamw"] = Field(
         "adamw_8bit",
-        json_schema_extra=MATH,
+        json_schema_extra=fixed(
+            "holds that optimizer's state (torch AdamW's moments or bitsandbytes' 8-bit states), which another can't load"
+        ),
         description="Optimizer: bitsandbytes 8-bit AdamW (default), its paged variant, or torch AdamW.",
     )
     lr: float = Field(
@@ -30,11 +32,25 @@ class OptimOptions(Options):
         "cosine", json_schema_extra=MATH, description="Learning-rate schedule after warmup."
     )
     max_grad_norm: float = Field(1.0, ge=0, json_schema_extra=MATH, description="Clip the gradient norm to this (0 disables clipping).")
-    micro_batch_size: int = Field(1, gt=0, json_schema_extra=MATH, description="Samples per forward/backward.")
-    grad_accum: int = Field(1, gt=0, json_schema_extra=MATH, description="Micro-batches per optimizer step.")
+    micro_batch_size: int = Field(
+        1,
+        gt=0,
+        json_schema_extra=fixed("counts its place in the data in micro-batches of that size"),
+        description="Samples per forward/backward.",
+    )
+    grad_accum: int = Field(
+        1,
+        gt=0,
+        json_schema_extra=fixed("counts its place in the data in steps of that many micro-batches"),
+        description="Micro-batches per optimizer step.",
+    )
     epochs: float = Field(1.0, gt=0, json_schema_extra=FREE, description="Passes over the data (ignored when --max-steps is given).")
     max_steps: int | None = Field(None, gt=0, json_schema_extra=FREE, description="Stop after this many optimizer steps.")
-    seed: int = Field(42, json_schema_extra=MATH, description="Seed for data order, LoRA init and dropout.")
+    seed: int = Field(
+        42,
+        json_schema_extra=fixed("is inside an epoch whose order that seed drew"),
+        description="Seed for data order, LoRA init and dropout.",
+    )
     max_bad_steps: int = Field(
         3,
         gt=0,
@@ -133,9 +149,19 @@ class OutputOptions(Options):
     save_total_limit: int | None = Field(
         None, gt=0, json_schema_extra=FREE, description="Keep at most N checkpoints (the newest complete one is never removed)."
     )
-    resume: bool = Field(False, json_schema_extra=FREE, description="Continue from the newest complete checkpoint in --output-dir.")
+    resume: bool | str = Field(
+        False,
+        json_schema_extra={**FREE, "flag_value": "CHECKPOINT"},
+        description="Continue from the newest complete checkpoint in --output-dir; --resume RUN/checkpoint-STEP continues from that "
+        "one: in its own run when it is the newest there, else into a new --output-dir (the run it comes from stays as it is). "
+        "The README's resume table says which settings may change.",
+    )
     allow_config_change: bool = Field(
-        False, json_schema_extra=FREE, description="On --resume, accept a configuration or dataset that differs from the checkpoint's."
+        False,
+        json_schema_extra=FREE,
+        description="On --resume, continue with settings or data that differ from the checkpoint's: applied from the first resumed "
+        "step (learning rate, schedule, data, ...); what the checkpoint's state is made of (rank, optimizer, backend, ...) is "
+        "refused all the same.",
     )
     logging_steps: int = Field(1, gt=0, json_schema_extra=FREE, description="Write metrics every N optimizer steps.")
     report_to: Literal["none", "tensorboard", "wandb"] = Field(

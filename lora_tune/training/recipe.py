@@ -72,8 +72,9 @@ class Recipe:
             inputs.output_dir.mkdir(parents=True, exist_ok=True)
             (inputs.output_dir / "lora_tune_config.yaml").write_text(yaml.safe_dump(cfg.model_dump(), sort_keys=False))
             # On resume, metrics of steps after the checkpoint are dropped: those steps are redone.
+            history = inputs.resume_from.parent / "metrics.jsonl" if inputs.resume_from else None
             self.metrics = MetricsLog(
-                inputs.output_dir, cfg.report_to, cfg.model_dump(), state.step if cfg.resume else None, self.on_metrics
+                inputs.output_dir, cfg.report_to, cfg.model_dump(), state.step if cfg.resume else None, self.on_metrics, history
             )
         self.loop = TrainingLoop(inputs, engine, model, state, self.metrics)
         self.loop.prepare_reference()

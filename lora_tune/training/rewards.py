@@ -141,6 +141,13 @@ class Rewards:
         file gives another fingerprint."""
         return "; ".join(f"{f.name}={f.identity}" for f in self.functions)
 
+    def changed_since(self, fingerprint: str) -> list[str]:
+        """The functions (by name) that differ from those an earlier fingerprint() identified: added,
+        removed, or another source."""
+        before = dict(part.split("=", 1) for part in fingerprint.split("; ") if "=" in part)
+        now = {f.name: f.identity for f in self.functions}
+        return sorted(name for name in before.keys() | now.keys() if before.get(name) != now.get(name))
+
     def score(self, prompts: list, completions: list, completion_ids: list | None, columns: dict[str, list], step: int) -> torch.Tensor:
         """[n completions, k functions] float32, NaN where a function returned None; each function
         called once with every completion. Raises RewardError when one fails."""

@@ -32,6 +32,7 @@ disabled, no second copy of the base) are scored once per generation batch in no
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass
 
@@ -46,7 +47,9 @@ from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 from lora_tune.files import write_safetensors
 from lora_tune.models.head import IGNORE
-from lora_tune.training.rewards import RewardError, advantages
+from lora_tune.training.rewards import RewardError, advantages, unscorable
+
+log = logging.getLogger("lora_tune")
 
 ROLLOUT_FILE = "rollout-rank{rank}.safetensors"  # a checkpoint's generation batch (this rank's share), when steps of it remain
 SAMPLES_FILE = "completions.jsonl"
@@ -126,6 +129,7 @@ class Rollout:
         extra = getattr(model.get_base_model().generation_config, "eos_token_id", None)
         self.eos_ids = {tok.eos_token_id, *(extra if isinstance(extra, list) else [extra] if extra is not None else [])} - {None}
         self.current: tuple[int, list[MicroBatch]] | None = None  # (generation batch, its micro-batches)
+        self.warned_unscored = False
         self.samples: list[dict] = []  # what the next logging step writes to completions.jsonl
 
     # --- the micro-batches of a step -------------------------------------------------------------------
@@ -166,6 +170,7 @@ class Rollout:
             [per_func, torch.tensor([[len(c.ids), c.clipped] for c in completions], dtype=torch.float32).reshape(-1, 2)], dim=1
         )
         gathered = dist.all_gather_rows(local)
+        self._check_scored(gathered[:, :-2], index)  # the same on every rank: all stop, or none
         adv, total, stats = advantages(gathered[:, :-2], self.rewards.weights, cfg.num_generations, cfg.scale_rewards, self.rewards.names)
         # Groups with no signal (rewards that tie) train nothing: their advantage is 0 exactly, where
         # TRL's float32 mean can leave a residue of ~1e-5 (tests/training/test_rewards.py).
@@ -186,6 +191,28 @@ class Rollout:
             for r, t, x, a in list(zip(rows, texts, total.tolist(), adv.tolist()))[:SAMPLES_LOGGED]
         ]
         return self._micro_batches(completions, adv)
+
+    def _check_scored(self, per_func: torch.Tensor, index: int) -> None:
+        """A generation batch no function scored (None for every completion) has no advantage to
+        learn from: the step would train nothing, with a NaN reward. Stopped as a failing function
+        is, naming them. Completions that only some functions leave unscored are TRL's multi-task
+        case (advantage 0 where none scored), said once."""
+        unscored = unscorable(per_func)
+        if bool(unscored.all()):
+            names = ", ".join(self.rewards.names)
+            raise RewardError(
+                f"reward function{'s' if len(self.rewards.names) > 1 else ''} {names} returned None for all {len(unscored)} "
+                f"completions of generation batch {index} (nothing to learn from): return a number for each completion it scores"
+            )
+        if bool(unscored.any()) and not self.warned_unscored:
+            log.warning(
+                "%d of %d completions of generation batch %d got None from every reward function: they train with advantage 0 "
+                "(as TRL); make sure one function scores each completion",
+                int(unscored.sum()),
+                len(unscored),
+                index,
+            )
+            self.warned_unscored = True
 
     # --- generation --------------------------------------------------------------------------------
     @torch.no_grad()

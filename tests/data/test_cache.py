@@ -70,8 +70,12 @@ def test_a_source_with_no_usable_sample_is_refused_also_from_the_cache(tmp_path,
     # Nothing survives: the cache holds zero rows, which must read back as zero rows, not crash.
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "word " * 100, "completion": "x"}] * 3)
     for attempt in ("built", "cached"):
-        with pytest.raises(UserError, match=r"^--data: no usable samples .*3 dropped with no trainable tokens\); raise --max-seq-len"):
+        with pytest.raises(
+            UserError, match=r"^--data: no usable samples .*3 dropped with every trainable token past --max-seq-len\); raise --max-seq-len"
+        ) as e:
             prepare_data(data_config(path, max_seq_len=16, data_cache_dir=str(tmp_path / "cache")), tokenizer)
+        # --long-samples truncate is in effect (the default): the advice is not to pass it again
+        assert "--long-samples" not in str(e.value) and "response begins past it" in str(e.value)
         assert len(list((tmp_path / "cache").glob("*/meta.json"))) == 1, attempt
 
 

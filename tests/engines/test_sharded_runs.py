@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from lora_tune.engines.registry import Cell, supported_cells
+from lora_tune.engines.state import load_safe_state
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import base_weight_bytes
 
@@ -55,6 +56,9 @@ RESUMED = {
     "fsdp-8bit": dict(backend="fsdp", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
 }
 RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
+# Resumed with --allow-config-change and these: each engine's optimizer must take them from step 3 on.
+CHANGED_ON_RESUME = ("zero2-8bit", "fsdp-bf16")
+CHANGES = dict(lr=2e-2, weight_decay=0.1)
 # DPO over packed pairs: the reference precomputed in a collective pass (ZeRO-3) or per step (FSDP2).
 PREFERENCE = {
     "zero3-dpo": dict(zero=3, reference="precompute"),
@@ -141,6 +145,11 @@ def jobs(tiny_model, tmp_path_factory):
         names.append(None)
         todo.append({"copy": [str(root / name / "checkpoint-2"), str(root / f"{name}-resumed")], "files": ["lora_tune_config.yaml"]})
         add(f"{name}-resumed", fast_train_args(tiny_model, data, root / f"{name}-resumed", **RUN_ARGS, **kw, resume=True))
+    for name in CHANGED_ON_RESUME:  # the same checkpoint, resumed with another lr and weight decay
+        names.append(None)
+        todo.append({"copy": [str(root / name / "checkpoint-2"), str(root / f"{name}-changed")], "files": ["lora_tune_config.yaml"]})
+        changed = {**RUN_ARGS, **RESUMED[name], **CHANGES, "resume": True, "allow_config_change": True}
+        add(f"{name}-changed", fast_train_args(tiny_model, data, root / f"{name}-changed", **changed))
     pairs = write_jsonl(root / "pairs.jsonl", PAIRS)
     for name, kw in PREFERENCE.items():
         add(name, fast_train_args(tiny_model, pairs, root / name, **PREFERENCE_ARGS, **kw))
@@ -260,6 +269,29 @@ def resumed_exactly(jobs, name: str) -> dict:
     assert len(expected) == 28
     assert_bit_identical(expected, adapter(resumed))
     return expected
+
+
+def param_groups(state) -> list[dict]:
+    """Every optimizer param group in a rank's saved training state (DeepSpeed nests the base optimizer's)."""
+    if isinstance(state, dict):
+        found = list(state["param_groups"]) if isinstance(state.get("param_groups"), list) else []
+        return found + [g for k, v in state.items() if k != "param_groups" for g in param_groups(v)]
+    return [g for v in state for g in param_groups(v)] if isinstance(state, (list, tuple)) else []
+
+
+@pytest.mark.parametrize("name", CHANGED_ON_RESUME)
+def test_a_resume_with_a_changed_lr_and_weight_decay_applies_them_on_every_rank(name, jobs):
+    """The first resumed step runs at the new learning rate of the new schedule (cosine over 4 steps,
+    at step index 2: half the peak), and every rank's optimizer holds the new values."""
+    out, err = run_of(jobs, f"{name}-changed")
+    assert "applied from step 3: lr 0.05 -> 0.02, weight_decay 0.0 -> 0.1" in err
+    steps = {r["step"]: r["lr"] for r in read_metrics(out) if "loss" in r}
+    assert steps[3] == pytest.approx(CHANGES["lr"] * 0.5 * (1 + math.cos(math.pi * 2 / 4)), rel=1e-12)
+    for rank in (0, 1):
+        groups = param_groups(load_safe_state(out / "checkpoint-4", f"training_state_rank{rank}")["optimizer"])
+        assert groups and all(g["initial_lr"] == CHANGES["lr"] and g["weight_decay"] == CHANGES["weight_decay"] for g in groups)
+    unchanged, _ = run_of(jobs, f"{name}-resumed")
+    assert any(not torch.equal(a, b) for a, b in zip(adapter(out).values(), adapter(unchanged).values()))
 
 
 @pytest.mark.parametrize(

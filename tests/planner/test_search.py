@@ -41,6 +41,16 @@ def test_auto_says_when_nothing_fits(capsys):
     code, out, _ = run_cli([*"plan --base llama-70b --auto --gpu-memory 4GB --cpu-memory 8GB".split()], capsys)
     assert code == 0
     assert "nothing fits; the nearest option" in out and "does NOT fit" in out
+    # A host far too small is said in a unit that shows it, not "needs 0.0 GiB of 0.0 GiB".
+    code, out, _ = run_cli([*"plan --base llama-8b --gpu-memory 1MB --cpu-memory 1MB".split()], capsys)
+    assert code == 0 and "does NOT fit in 976.6 KiB per GPU" in out
+    assert re.search(r"host memory does NOT fit: needs \d+\.\d GiB of 976\.6 KiB", out), out
+
+
+def test_auto_command_carries_the_data_and_output_folder_it_was_given(capsys):
+    argv = ["--base", "llama-8b", "--auto", "--data", "my data.jsonl", "b.jsonl", "--output-dir", "runs/x"]
+    assert plan_json(capsys, *argv)["recommended"]["command"].endswith("--data 'my data.jsonl' b.jsonl --output-dir runs/x")
+    assert "FILE" not in plan_json(capsys, "--base", "llama-8b", "--auto", "--data", "d.jsonl")["recommended"]["command"]
 
 
 @pytest.mark.parametrize(

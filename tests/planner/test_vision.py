@@ -228,7 +228,10 @@ def test_the_towers_forward_is_planned_within_bounds_of_its_measured_peak(model_
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_config(config, attn_implementation=attention).to(dtype).eval().requires_grad_(False)
     inputs = _pixels(model_type, config, images)
-    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+    # oneDNN off: its convolution scratchpad depends on the CPU's instruction set, not on the model (one 25 MB
+    # block for SigLIP's 3-channel 8x8 patch convolution in bf16 on an AMX Xeon, 4x the whole forward's
+    # planned 6.7 MB; GPUs have no such workspace); PyTorch's own convolution computes the same patches.
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32), torch.backends.mkldnn.flags(enabled=False):
         model.model.get_image_features(**inputs)  # warm: lazily built buffers (rotary tables) are not the forward's
         with cpu_tensor_peak() as peak:
             model.model.get_image_features(**inputs)

@@ -35,6 +35,9 @@ def broken(prompts, completions, **kwargs):
 
 def nan(prompts, completions, **kwargs):
     return [float("nan")] * len(completions)
+
+def unscored(prompts, completions, **kwargs):
+    return [None] * len(completions)
 '''
 
 GRPO = {**FAST, "objective": "grpo", "num_generations": 4, "micro_batch_size": 4, "grad_accum": 2, "max_new_tokens": 8, "max_seq_len": 64}
@@ -168,6 +171,11 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(tiny_model, files, 
     assert "no score today" in err.split("--- end ---")[0]  # the user's own traceback, labelled
     code, _, err = run_cli(grpo_args(tiny_model, files["prompts"], tmp_path / "nan", [f"{files['rewards']}:nan"]), capsys)
     assert code == 1 and "nan" in single_error_line(err)
+    # None for every completion: nothing to learn from (a NaN reward and zero gradients), stopped the same way
+    code, _, err = run_cli(grpo_args(tiny_model, files["prompts"], tmp_path / "none", [f"{files['rewards']}:unscored"]), capsys)
+    line = single_error_line(err)
+    assert code == 1 and "reward function unscored returned None for all 8 completions of generation batch 0" in line
+    assert "at step 1" in line and not (tmp_path / "none" / "adapter_model.safetensors").exists()
 
 
 BAD = {
@@ -215,4 +223,12 @@ def test_resume_refuses_changed_reward_functions(tiny_model, files, tmp_path, ca
     assert code == 0, err
     rewards.write_text(textwrap.dedent(REWARDS).replace("t % 2 == 0", "t % 2 == 1"))
     code, _, err = run_cli([*args, "--resume", "--max-steps", "2"], capsys)
-    assert code == 2 and "--reward functions (or their files) changed" in single_error_line(err)
+    line = single_error_line(err)
+    assert code == 2 and "the reward functions changed since the checkpoint was written (even)" in line
+    assert "pass --allow-config-change to score with these" in line
+    # A bug fixed in a reward is the common case: the documented override takes it, says so, records it.
+    code, _, err = run_cli([*args, "--resume", "--max-steps", "2", "--allow-config-change"], capsys)
+    assert code == 0, err
+    assert "resuming with changed reward functions (--allow-config-change), scoring from step 2: even" in err
+    state = json.loads((tmp_path / "run" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["config_changes"] == [{"step": 1, "changed": {"reward functions": "even"}}]

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from lora_tune.options import FREE, MATH, Options
+from lora_tune.options import FREE, MATH, Options, fixed
 
 # beta's default per objective: DPO's 0.1 (TRL's DPO/KTO/CPO default); GRPO's 0.0 (TRL's GRPO
 # default since 0.19: no KL term, so no reference forward).
@@ -21,7 +21,7 @@ class ObjectiveOptions(Options):
 
     objective: Literal["sft", "dpo", "ipo", "orpo", "simpo", "kto", "grpo"] = Field(
         "sft",
-        json_schema_extra=MATH,
+        json_schema_extra=fixed("counts its place in the data in that objective's units (rows, pairs, or prompts of generation batches)"),
         description="What the adapter learns: sft (next tokens of the data), or from preferences: dpo, ipo (pairs, against the reference "
         "model: the model at the start), orpo, simpo (pairs, reference-free), kto (rows marked desirable or not, against the reference); "
         "or by online RL from rewards: grpo (prompts; completions generated and scored by --reward functions).",
@@ -71,7 +71,12 @@ class GRPOOptions(Options):
         "as file.py:func or module:func (several: summed with --reward-weights).",
     )
     reward_weights: list[float] | None = Field(None, json_schema_extra=MATH, description="grpo: one weight per --reward (default 1 each).")
-    num_generations: int = Field(8, ge=2, json_schema_extra=MATH, description="grpo: completions generated per prompt (the group size G).")
+    num_generations: int = Field(
+        8,
+        ge=2,
+        json_schema_extra=fixed("counts its place in the prompts in generation batches of that group size, and may keep one in flight"),
+        description="grpo: completions generated per prompt (the group size G).",
+    )
     max_new_tokens: int = Field(256, gt=0, json_schema_extra=MATH, description="grpo: the longest completion, in tokens.")
     temperature: float = Field(1.0, gt=0, json_schema_extra=MATH, description="grpo: sampling temperature (log-probs use it too, as TRL).")
     top_p: float = Field(1.0, gt=0, le=1, json_schema_extra=MATH, description="grpo: nucleus sampling (1: off).")
@@ -92,7 +97,10 @@ class GRPOOptions(Options):
         None, gt=0, json_schema_extra=MATH, description="grpo: the clipping range above 1 (DAPO's clip-higher)."
     )
     num_iterations: int = Field(
-        1, gt=0, json_schema_extra=MATH, description="grpo: optimizer steps per generation batch (old log-probs computed once, reused)."
+        1,
+        gt=0,
+        json_schema_extra=fixed("counts its place in the prompts in generation batches of that many steps, and may keep one in flight"),
+        description="grpo: optimizer steps per generation batch (old log-probs computed once, reused).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group", json_schema_extra=MATH, description="grpo: advantages divided by the group's reward std, the batch's, or not at all."

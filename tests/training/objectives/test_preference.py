@@ -264,7 +264,7 @@ def test_dpo_from_an_sft_adapter(tiny_model, pairs_file, data_files, tmp_path, c
     assert start.keys() == end.keys() and any(not torch.equal(start[k], end[k]) for k in start)
 
     (tmp_path / "dpo" / REFERENCE_FILE).unlink()
-    code, _, err = run_cli([*args, "--resume"], capsys)
+    code, _, err = run_cli([*args, "--resume", "--max-steps", "4"], capsys)  # extended: a finished run has no step left
     assert code == 2 and "the reference log-probabilities of this run" in err and "are missing" in err, err
 
 
