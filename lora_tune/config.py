@@ -12,6 +12,7 @@ from lora_tune.data.options import DataOptions
 from lora_tune.engines.options import EngineOptions
 from lora_tune.models.options import LoraOptions, ModelOptions
 from lora_tune.options import FREE, MATH, size_text
+from lora_tune.training.generation.options import VLLMOptions
 from lora_tune.training.objectives.options import GRPOOptions, ObjectiveOptions
 from lora_tune.training.options import EvalOptions, OptimOptions, OutputOptions, SpeedOptions
 
@@ -24,6 +25,7 @@ SECTIONS = (
     SpeedOptions,
     ObjectiveOptions,
     GRPOOptions,
+    VLLMOptions,
     EngineOptions,
     EvalOptions,
     OutputOptions,
@@ -37,6 +39,7 @@ class TrainConfig(
     OutputOptions,
     EvalOptions,
     EngineOptions,
+    VLLMOptions,
     GRPOOptions,
     ObjectiveOptions,
     SpeedOptions,

@@ -49,6 +49,7 @@ from lora_tune.models.structure import is_image_text
 from lora_tune.models.targets import lora_targets
 from lora_tune.planner.run_plan import memory_plan
 from lora_tune.training import compilation
+from lora_tune.training.generation import registry as generation
 from lora_tune.training.inputs import RunInputs, SpeedLevers
 from lora_tune.training.metrics import check_reporter
 from lora_tune.training.objectives import registry as objectives
@@ -218,6 +219,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     targets = lora_targets(cfg, config)
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)
+    serving.check_rollout(cfg, targets, config.model_type)
     score_tasks = evaluation.task_scorer(cfg)
     levers = speed_levers(cfg, config, device)
     image_text = load_image_text(base_path, config, cfg)
@@ -245,6 +247,8 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     saved_state = check_resume_data(cfg, saved_state, data, resume_from) if resume_from else None
     if rewards:
         check_reward_columns(rewards, data.train)
+        longest = max(data.train.lengths, default=0) + cfg.max_new_tokens
+        generation.module(cfg).check_inputs(cfg, base_path, config, longest)
         saved_state = check_rewards_unchanged(cfg, rewards, saved_state)
     row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
     batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)

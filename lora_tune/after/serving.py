@@ -254,6 +254,16 @@ def check_config(cfg, targets, model_type: str) -> None:
         log.info("--serve-with vllm: rank %d needs vLLM started with --max-lora-rank %d", cfg.rank, vllm_max_lora_rank(cfg.rank))
 
 
+def check_rollout(cfg, targets, model_type: str) -> None:
+    """--rollout vllm hands the adapter to vLLM every generation batch: what vLLM would refuse to load
+    (DoRA, expert tensors, the vision tower, ...) is refused before loading, as --serve-with vllm is."""
+    if cfg.rollout != "vllm":
+        return
+    problems = vllm_problems(AdapterFacts.from_train(cfg, targets, model_type))
+    if problems:
+        raise UserError("--rollout vllm: vLLM can't use this run's adapter: " + "; ".join(problems))
+
+
 @dataclass
 class ServingReport:
     engine: str

@@ -22,6 +22,7 @@ from lora_tune.files import write_json
 from lora_tune.models.adapter import save_adapter
 from lora_tune.training import checkpoint as ckpt
 from lora_tune.training.compilation import CompileStats
+from lora_tune.training.generation import registry as generation
 from lora_tune.training.inputs import RunInputs
 from lora_tune.training.metrics import MetricsLog, Progress, peak_memory_bytes
 from lora_tune.training.objectives import reference
@@ -38,7 +39,8 @@ class TrainingLoop:
     """One loaded run: the inputs, the engine with its model, the trainer state and the metrics log
     (rank 0), all given whole."""
 
-    def __init__(self, inputs: RunInputs, engine: Engine, model, state: ckpt.TrainerState, metrics: MetricsLog | None):
+    def __init__(self, inputs: RunInputs, engine: Engine, model, state: ckpt.TrainerState, metrics: MetricsLog | None, started=None):
+        """`started`: what the rollout's generator started before the base loaded (a vLLM server), or None."""
         self.inputs, self.cfg = inputs, inputs.cfg
         self.engine, self.model, self.state, self.metrics = engine, model, state, metrics
         tokenizer = inputs.tokenizer
@@ -53,7 +55,9 @@ class TrainingLoop:
         # --compile: the layers compile lazily, in the first forward; counted from here.
         self.compile_stats = CompileStats() if inputs.cfg.compile else None
         # Online objectives train on what the policy generates (lora_tune.training.rollout).
-        self.rollout = Rollout(inputs, model, engine, inputs.rewards) if inputs.objective.online else None
+        self.rollout = None
+        if inputs.objective.online:
+            self.rollout = Rollout(inputs, model, engine, inputs.rewards, generation.create(inputs, model, engine, started))
         if self.rollout and inputs.resume_from:
             self.rollout.load(inputs.resume_from)
 
@@ -185,6 +189,10 @@ class TrainingLoop:
         t0 = time.perf_counter()
         try:
             batches = self.step_batches(state.step)
+        except generation.GenerationError as e:  # vLLM stopped answering: one line, the last checkpoint kept
+            good = ckpt.newest_complete(self.inputs.output_dir)
+            kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
+            raise TrainingStopped(f"{e} at step {state.step + 1}; {kept}. {e.advice}", 1, "error") from None
         except RewardError as e:  # the user's reward function failed: said in one line, the last checkpoint kept
             good = ckpt.newest_complete(self.inputs.output_dir)
             kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
@@ -275,6 +283,11 @@ class TrainingLoop:
         """The objective's own measures (rewards, accuracies) since last asked, over every rank."""
         stats = self.model.take_stats()
         return {f"{prefix}{name}": dist.all_sum(total) / max(dist.all_sum(count), 1) for name, (total, count) in sorted(stats.items())}
+
+    def close(self) -> None:
+        """What the loop holds beyond the model: the rollout's generator (a vLLM engine)."""
+        if self.rollout:
+            self.rollout.close()
 
     def _on_signal(self, signum, frame):  # noqa: ARG002 - signal handler signature
         # Only set a flag: the step in flight finishes, then the loop checkpoints and exits.

@@ -21,6 +21,7 @@ from lora_tune.models.tiled_mlp import tile_mlps
 from lora_tune.training import checkpoint as ckpt
 from lora_tune.training import compilation
 from lora_tune.training.compilation import compile_regions
+from lora_tune.training.generation import registry as generation
 from lora_tune.training.inputs import RunInputs
 from lora_tune.training.loop import TrainingLoop
 from lora_tune.training.metrics import MetricsLog
@@ -35,6 +36,7 @@ class Recipe:
         self.lock: ckpt.OutputLock | None = None
         self.metrics: MetricsLog | None = None
         self.loop: TrainingLoop | None = None
+        self.started = None  # what the rollout's generator runs beside the trainer (a vLLM server), stopped at cleanup
 
     def setup(self) -> None:
         inputs = self.inputs
@@ -43,6 +45,9 @@ class Recipe:
         self.lock = ckpt.OutputLock(inputs.output_dir).acquire() if dist.is_main() else None
         # Only now, with every input checked, the expensive part. The engine decides how the base
         # is loaded and partitioned and when the adapter goes in.
+        # Before the base loads: a vLLM server to start (or probe) takes its time meanwhile, and one
+        # that can't serve this run stops it before the expensive part.
+        self.started = generation.start(inputs)
         engine = engines.create(cfg, inputs.device)
         sequence_group = dist.sequence_group(cfg.sequence_parallel)  # once the ranks are up (the engine started them)
 
@@ -76,7 +81,7 @@ class Recipe:
             self.metrics = MetricsLog(
                 inputs.output_dir, cfg.report_to, cfg.model_dump(), state.step if cfg.resume else None, self.on_metrics, history
             )
-        self.loop = TrainingLoop(inputs, engine, model, state, self.metrics)
+        self.loop = TrainingLoop(inputs, engine, model, state, self.metrics, self.started)
         self.loop.prepare_reference()
         self.loop.report_memory("after loading")
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
@@ -95,6 +100,10 @@ class Recipe:
         self.loop.finish()
 
     def cleanup(self) -> None:
+        if self.loop:
+            self.loop.close()
+        if self.started:
+            self.started.close()
         if self.metrics:
             self.metrics.close()
         if self.lock:

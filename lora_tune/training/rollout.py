@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from lora_tune.data.batching import MicroBatch, collate, permutation
 from lora_tune.data.prepare import Sample
@@ -47,6 +46,8 @@ from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 from lora_tune.files import write_safetensors
 from lora_tune.models.head import IGNORE
+from lora_tune.training.generation.registry import Generator, special_ids
+from lora_tune.training.objectives.grpo import sampling_correction
 from lora_tune.training.rewards import RewardError, advantages, unscorable
 
 log = logging.getLogger("lora_tune")
@@ -81,53 +82,27 @@ def check_reward_columns(rewards, prompts) -> None:
             )
 
 
-class SeededSampling(LogitsProcessor):
-    """Temperature, top-k and top-p as transformers' sampling applies them, then the token drawn
-    from each row's own generator; the chosen token is left as the only finite score, so greedy
-    decoding takes it."""
-
-    def __init__(self, generators: list[torch.Generator], temperature: float, top_k: int, top_p: float):
-        self.generators, self.temperature, self.top_k, self.top_p = generators, temperature, top_k, top_p
-
-    def __call__(self, input_ids, scores):
-        scores = scores.float() / self.temperature
-        if self.top_k and self.top_k < scores.shape[-1]:
-            kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
-            scores = scores.masked_fill(scores < kth, -math.inf)
-        if self.top_p < 1.0:  # smallest set of likeliest tokens whose mass reaches top_p (transformers' TopPLogitsWarper)
-            ordered, order = torch.sort(scores, descending=False)
-            mass = ordered.softmax(dim=-1).cumsum(dim=-1)
-            drop = mass <= 1 - self.top_p
-            drop[..., -1:] = False
-            scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
-        probs = scores.softmax(dim=-1)
-        # E = -log U ~ Exp(1), from each row's uniform draws (6x faster than exponential_ on a CPU).
-        uniform = torch.stack([torch.rand(scores.shape[-1], generator=g) for g in self.generators])
-        noise = uniform.clamp_(min=torch.finfo(torch.float32).tiny).log_().neg_().to(probs.device)
-        chosen = (probs / noise).argmax(dim=-1, keepdim=True)
-        return torch.full_like(scores, -math.inf).scatter_(1, chosen, 0.0)
-
-
 @dataclass
 class Completion:
     prompt_index: int
     prompt_ids: list[int]
     ids: list[int]  # up to and including its first EOS
     clipped: bool  # reached --max-new-tokens without EOS
+    sampling_logps: list[float] | None = None  # the sampler's, when it is not the trainer (vLLM)
 
 
 class Rollout:
     """The generation batches of a run, and the micro-batches built from them."""
 
-    def __init__(self, inputs, model, engine, rewards):
+    def __init__(self, inputs, model, engine, rewards, generator: Generator):
         self.inputs, self.cfg, self.model, self.engine, self.rewards = inputs, inputs.cfg, model, engine, rewards
+        self.generator = generator
+        # vLLM samples with other numerics than the trainer's: TRL's importance-sampling correction
+        self.corrects = generator.samples_off_policy and self.cfg.vllm_importance_sampling_correction
         self.prompts = inputs.data.train
         self.per_rank = self.cfg.micro_batch_size * self.cfg.grad_accum // self.cfg.num_generations  # prompts per rank
         self.per_generation = self.per_rank * dist.world_size()
-        tok = inputs.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        extra = getattr(model.get_base_model().generation_config, "eos_token_id", None)
-        self.eos_ids = {tok.eos_token_id, *(extra if isinstance(extra, list) else [extra] if extra is not None else [])} - {None}
+        self.pad_id, self.eos_ids = special_ids(inputs.tokenizer, model)
         self.current: tuple[int, list[MicroBatch]] | None = None  # (generation batch, its micro-batches)
         self.warned_unscored = False
         self.samples: list[dict] = []  # what the next logging step writes to completions.jsonl
@@ -215,38 +190,18 @@ class Rollout:
             self.warned_unscored = True
 
     # --- generation --------------------------------------------------------------------------------
-    @torch.no_grad()
     def _generate(self, index: int, prompts: list[int], first: int) -> list[Completion]:
         """G completions of each prompt; `first`: the place of this rank's first prompt in the whole
         generation batch (the seeds follow the place, not the rank)."""
         cfg, G = self.cfg, self.cfg.num_generations
         ids = [list(self.prompts[i].input_ids) for i in prompts]
-        width = max(map(len, ids))
-        batch = torch.full((len(ids) * G, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(batch)
-        generators = []
-        for p, (i, prompt) in enumerate(zip(prompts, ids), start=first):
-            for j in range(G):
-                row = (p - first) * G + j
-                batch[row, width - len(prompt) :] = torch.tensor(prompt)  # left padding: every prompt ends where generation starts
-                mask[row, width - len(prompt) :] = 1
-                seed = hash((cfg.seed, index, p, i, j)) % (2**63)
-                generators.append(torch.Generator().manual_seed(seed))
-        settings = GenerationConfig(
-            max_new_tokens=cfg.max_new_tokens,
-            do_sample=False,
-            use_cache=True,
-            eos_token_id=sorted(self.eos_ids),
-            pad_token_id=self.pad_id,
-        )
-        sampling = LogitsProcessorList([SeededSampling(generators, cfg.temperature, cfg.top_k, cfg.top_p)])
-        out = self.engine.generate(batch, mask, settings, sampling)
-        completions = []
-        for row, new in enumerate(out[:, width:].tolist()):
-            end = next((k for k, t in enumerate(new) if t in self.eos_ids), None)
-            kept = new if end is None else new[: end + 1]
-            completions.append(Completion(prompts[row // G], ids[row // G], kept, end is None))
-        return completions
+        rows = [prompt for prompt in ids for _ in range(G)]
+        seeds = [hash((cfg.seed, index, p, i, j)) % (2**63) for p, i in enumerate(prompts, start=first) for j in range(G)]
+        sampled = self.generator.generate(index, rows, seeds)
+        return [Completion(prompts[row // G], ids[row // G], s.ids, s.clipped, s.logps) for row, s in enumerate(sampled)]
+
+    def close(self) -> None:
+        self.generator.close()
 
     # --- micro-batches -----------------------------------------------------------------------------
     def _micro_batches(self, completions: list[Completion], adv: torch.Tensor) -> list[MicroBatch]:
@@ -265,10 +220,16 @@ class Rollout:
         bounds = [round(j * len(kept) / ga) for j in range(ga + 1)]
         groups = [kept[bounds[j] : bounds[j + 1]] for j in range(ga)]
         batches = [self._collate([completions[k] for k in g], adv[g], [trained[k] for k in g]) for g in groups]
+        # The sampler's log-probability of every label token of each micro-batch, in label order (vLLM's).
+        sampling = (
+            [torch.tensor([x for k in g if trained[k] for x in completions[k].sampling_logps], dtype=torch.float32) for g in groups]
+            if self.corrects
+            else None
+        )
         # The step's normalisers count every completion (and every trained token), run or skipped.
         batches[0].counts["sequences"] += len(completions) - sum(len(g) for g in groups)
         batches[0].counts["tokens"] += tokens - sum(b.counts["tokens"] for b in batches)
-        self._score_fixed_log_probs(batches)
+        self._score_fixed_log_probs(batches, sampling)
         return batches
 
     def _collate(self, completions: list[Completion], adv: torch.Tensor, trained: list[bool]) -> MicroBatch:
@@ -285,11 +246,12 @@ class Rollout:
         counts = {"sequences": len(completions), "tokens": batch.label_tokens}
         return MicroBatch(inputs, batch.tokens, batch.label_tokens, counts, "sequences")
 
-    def _score_fixed_log_probs(self, batches: list[MicroBatch]) -> None:
+    def _score_fixed_log_probs(self, batches: list[MicroBatch], sampling: list[torch.Tensor] | None) -> None:
         """The reference's per-token log-probabilities (beta > 0) and the policy's as it generated
-        (--num-iterations > 1: the old policy of the later iterations), once per generation batch."""
+        (--num-iterations > 1: the old policy of the later iterations; vLLM's samples: the trainer's
+        own, against which the sampler's are corrected), once per generation batch."""
         wanted = [("ref_logps", True)] if self.cfg.beta else []
-        wanted += [("old_logps", False)] if self.cfg.num_iterations > 1 else []
+        wanted += [("old_logps", False)] if self.cfg.num_iterations > 1 or sampling is not None else []
         totals = {"tokens": float(sum(b.counts["tokens"] for b in batches))}
         for batch in batches:
             batch.set_step_totals(totals)
@@ -302,6 +264,51 @@ class Rollout:
                 self.model.recorded, self.model.record_reference = None, False
             for batch, logps in zip(batches, scored):
                 batch.inputs[key] = logps
+        if sampling is not None:
+            self._correct_sampling(batches, sampling)
+
+    def _correct_sampling(self, batches: list[MicroBatch], sampling: list[torch.Tensor]) -> None:
+        """TRL's importance weights of vLLM's samples (objectives.grpo.sampling_correction) into each
+        micro-batch, and its `sampling/*` metrics over the whole generation batch (every rank)."""
+        cfg = self.cfg
+        deltas, ratios = [], []
+        for batch, sampled in zip(batches, sampling):
+            inputs = batch.inputs
+            targets = inputs["labels"][:, 1:].reshape(-1)
+            owners = inputs["sequence_ids"][:, 1:].reshape(-1)[targets != IGNORE]
+            old = inputs["old_logps"]
+            if old.shape != sampled.shape:  # the sampler's tokens are the ones trained, one log-probability each
+                raise RuntimeError(f"{old.numel()} label tokens, {sampled.numel()} sampled log-probabilities")
+            n = inputs["advantages"].numel()
+            mode = cfg.vllm_importance_sampling_mode
+            weights = sampling_correction(
+                old, sampled, owners, n, mode, cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
+            )
+            inputs["importance_weights"] = weights
+            delta = (old - sampled).abs()
+            deltas.append(delta[~torch.isnan(delta)])
+            if mode.startswith("sequence"):  # one ratio per sequence that has tokens here
+                first = torch.zeros(n, dtype=torch.bool).index_fill_(0, owners.unique(), True)
+                ratios.append(weights.new_zeros(n).index_copy_(0, owners, weights)[first])
+            else:
+                ratios.append(weights)
+        delta, ratio = torch.cat(deltas), torch.cat(ratios)
+        # [sum, count, max] of the differences, [sum, count, min, max] of the ratios: this rank's, then every rank's.
+        local = torch.tensor(
+            [[delta.sum(), delta.numel(), delta.max() if delta.numel() else 0.0, ratio.sum(), ratio.numel(),
+              ratio.min() if ratio.numel() else math.inf, ratio.max() if ratio.numel() else -math.inf]],
+            dtype=torch.float64,
+        )  # fmt: skip
+        every = dist.all_gather_rows(local)
+        counts = every[:, 1].sum().clamp(min=1), every[:, 4].sum().clamp(min=1)
+        for name, value in {
+            "sampling/sampling_logp_difference/mean": every[:, 0].sum() / counts[0],
+            "sampling/sampling_logp_difference/max": every[:, 2].max(),
+            "sampling/importance_sampling_ratio/mean": every[:, 3].sum() / counts[1],
+            "sampling/importance_sampling_ratio/min": every[:, 5].min() if every[:, 4].sum() else torch.tensor(0.0),
+            "sampling/importance_sampling_ratio/max": every[:, 6].max() if every[:, 4].sum() else torch.tensor(0.0),
+        }.items():
+            self.model.note(name, torch.as_tensor(value, dtype=torch.float32).reshape(1))
 
     # --- logging and checkpoints -------------------------------------------------------------------
     def write_samples(self, step: int) -> None:

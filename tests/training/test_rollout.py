@@ -13,7 +13,7 @@ import torch
 
 import lora_tune
 from lora_tune.models.tiny.model import build_tiny_llama
-from lora_tune.training.rollout import SeededSampling
+from lora_tune.training.generation.transformers_generate import SeededSampling
 
 from helpers import FAST, adapter_tensors, assert_bit_identical, read_metrics, run_cli, single_error_line, write_jsonl
 

@@ -24,11 +24,17 @@ log-probabilities are this forward's own, detached (TRL's num_iterations == 1 pa
 1 and the loss's gradient is the plain policy gradient. The rollout's scoring passes (the old policy
 when a generation is reused, the reference) go through this module too (`recorded`), so every
 engine scores the way it trains.
+
+When vLLM samples (`--rollout vllm`), its log-probabilities differ from the trainer's by numerics
+(other kernels, another precision, a quantized base served from its checkpoint): as in TRL, the old
+log-probabilities are then the trainer's, scored once per generation batch, and each token's loss is
+weighed by the trainer-to-sampler ratio (`sampling_correction`), before the KL term.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -36,6 +42,26 @@ from lora_tune.models.head import IGNORE, SOFTCAP_KEYS, auto_chunk_size, shifted
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo")
 IMPORTANCE_SAMPLING = ("token", "sequence")
+
+
+def sampling_correction(old, sampling, owners, n: int, mode: str, clip_min: float | None, clip_max: float | None) -> torch.Tensor:
+    """TRL's `vllm_importance_sampling_correction` (GRPOTrainer._generate_and_score_completions), per
+    label token: the ratio of the trainer's probability of each sampled token (`old`, no gradient) to
+    the sampler's (`sampling`, vLLM's; NaN where it gave none: ratio 1), per token, or per sequence
+    (the product over its tokens, `owners` naming each token's sequence among `n`); *_truncate
+    clamps it to [clip_min, clip_max], *_mask sets it to 0 outside. Multiplies the per-token loss."""
+    diff = torch.nan_to_num(old - sampling, nan=0.0)
+    if mode.startswith("sequence"):
+        ratio = torch.exp(diff.new_zeros(n).index_add(0, owners, diff))
+    else:
+        ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        ratio = torch.clamp(ratio, min=clip_min, max=clip_max)
+    else:
+        low = clip_min if clip_min is not None else -math.inf
+        high = clip_max if clip_max is not None else math.inf
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio.index_select(0, owners) if mode.startswith("sequence") else ratio
 
 
 class GRPOLoss(torch.nn.Module):
@@ -94,6 +120,7 @@ class GRPOLoss(torch.nn.Module):
         tokens_in_step=None,
         old_logps=None,
         ref_logps=None,
+        importance_weights=None,
         attention_mask=None,
         position_ids=None,
     ):
@@ -122,6 +149,8 @@ class GRPOLoss(torch.nn.Module):
             coef_1 = sequence_coef.index_select(0, owners)
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
         per_token_loss = -torch.min(coef_1 * per_token_advantage, coef_2 * per_token_advantage)
+        if importance_weights is not None:  # vLLM sampled: TRL's correction, before the KL term
+            per_token_loss = per_token_loss * importance_weights.to(logps.device, logps.dtype)
         if self.beta != 0.0:
             to_reference = ref_logps.to(logps.device, logps.dtype) - logps
             per_token_kl = torch.exp(to_reference) - to_reference - 1

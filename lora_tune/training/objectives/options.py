@@ -108,8 +108,8 @@ class GRPOOptions(Options):
     rollout: Literal["transformers", "vllm"] = Field(
         "transformers",
         json_schema_extra=FREE,
-        description="grpo: what generates the completions: transformers' generate (KV cache, every engine); vllm (colocated, "
-        "CUDA only) is not built yet and is refused.",
+        description="grpo: what generates the completions: transformers' generate on the training engine (KV cache, every "
+        "engine), or vllm: a vLLM server or colocated engine that gets the adapter each generation batch (see --vllm-mode).",
     )
     mask_truncated: bool = Field(
         False, json_schema_extra=MATH, description="grpo: completions cut at --max-new-tokens (no EOS) take no part in the loss."

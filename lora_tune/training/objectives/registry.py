@@ -8,8 +8,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from lora_tune.errors import UserError
 from lora_tune.training.objectives.grpo import GRPOLoss
 from lora_tune.training.objectives.options import GRPOOptions
@@ -95,9 +93,6 @@ def check_online(cfg) -> None:
             "--objective grpo trains on prompts, which have no loss to evaluate: leave out --eval-data / --eval-split and watch the "
             "rewards, or sample with --eval-prompts"
         )
-    if cfg.rollout == "vllm":  # said before anything loads, not attempted
-        where = "this machine has no CUDA device, and vLLM runs on CUDA GPUs; " if not torch.cuda.is_available() else ""
-        raise UserError(f"--rollout vllm: {where}vLLM rollouts are not built in lora-tune yet; leave it out (transformers generates)")
     # Each rank generates and trains whole groups (lora_tune.training.rollout): a rank's step holds
     # --micro-batch-size x --grad-accum completions, G per prompt.
     completions = cfg.micro_batch_size * cfg.grad_accum
