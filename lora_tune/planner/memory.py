@@ -33,7 +33,9 @@
   2 e kv per token per layer for prompt + max_new_tokens tokens, and each decoding step holds the
   [sequences x vocab] scores (compute dtype, and three fp32 copies while sampling). Generation and
   training never hold their working sets at the same time: the plan counts the larger, and shows
-  generation's excess over training's activations as `generation`.
+  generation's excess over training's activations as `generation`. With --rollout vllm colocated,
+  vLLM's copy of the base and its KV cache take that place (on a GPU vLLM reserves
+  --vllm-gpu-memory-utilization of it, said); a vLLM server's memory is the server's, not here.
 * Image-text models: the vision tower's weights (`vision_tower`), and a micro-batch's images (pixel
   values, the tower's forward) in `images`: lora_tune.planner.vision.
 * Loading: bases under ZeRO-3 and FSDP2 are partitioned while they load (zero.Init, or layer by
@@ -53,6 +55,7 @@ from lora_tune.models.head import auto_chunk_size
 from lora_tune.models.targets import resolve_targets
 from lora_tune.planner import vision
 from lora_tune.planner.architecture import Architecture
+from lora_tune.training.generation import registry as generation
 from lora_tune.training.objectives import registry as objectives
 
 GIB = 2**30
@@ -83,6 +86,7 @@ class Setup:
     reference: bool = False  # the objective scores the reference policy too (one no-grad forward per unit)
     new_tokens: int = 0  # online RL: tokens generated per completion (--max-new-tokens), trained after the prompt
     rollout_sequences: int = 0  # online RL: completions generated at once (a step's: micro-batch x grad-accum)
+    rollout: str = "transformers"  # what generates them (lora_tune.training.generation.registry.name)
     pass_tokens: int | None = None  # a CPU's passes: padded tokens per forward + backward pass; None: a micro-batch per pass
     sequence_parallel: int = 1  # ranks sharing every row (--sequence-parallel): each holds 1/N of its tokens
     mlp_tiles: int = 0  # --tiled-mlp: tiles of each decoder layer's MLP (0: untiled)
@@ -152,6 +156,7 @@ def setup_from(cfg, attention: str | None = None) -> Setup:
         reference=objective.reference,
         new_tokens=cfg.max_new_tokens if objective.online else 0,
         rollout_sequences=cfg.micro_batch_size * cfg.grad_accum if objective.online else 0,
+        rollout=generation.name(cfg),
         max_pixels=cfg.max_pixels,
         train_vision=cfg.train_vision,
     )
@@ -375,13 +380,17 @@ def logits_bytes(arch: Architecture, setup: Setup) -> tuple[int, int]:
 
 
 def generation_bytes(arch: Architecture, setup: Setup) -> int:
-    """Online RL's rollout, no gradient: the KV cache of every completion at full length, and one
-    decoding step's scores (compute dtype from the head, then fp32 while sampling: the tempered
-    scores, their softmax, and probabilities over the noise)."""
-    if not setup.rollout_sequences:
+    """Online RL's rollout on this device, no gradient: the KV cache of every completion at full
+    length, and one decoding step's scores (compute dtype from the head, then fp32 while sampling:
+    the tempered scores, their softmax, and probabilities over the noise). A colocated vLLM holds
+    its own copy of the base (the checkpoint's weights in bf16, fp32 for an fp32 run) beside its
+    cache; a vLLM server generates elsewhere, which this device doesn't hold."""
+    if not setup.rollout_sequences or setup.rollout == "vllm-server":
         return 0
     e = ELEMENT[setup.precision]
     cache = setup.rollout_sequences * (setup.max_seq_len + setup.new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * e
+    if setup.rollout == "vllm-colocate":
+        return cache + base_weight_bytes(arch, "fp32" if setup.precision == "fp32" else "bf16")[0]
     return cache + setup.rollout_sequences * arch.vocab * (e + 3 * 4)
 
 
@@ -424,7 +433,7 @@ def estimate(arch: Architecture, setup: Setup) -> Estimate:
             else {}
         ),
         # Generation's working set where it exceeds training's (they never coexist).
-        **({"generation_bytes": max(0, generation_bytes(arch, setup) - peak_act - peak_logits)} if setup.rollout_sequences else {}),
+        **({"generation_bytes": max(0, generation_bytes(arch, setup) - peak_act - peak_logits)} if generation_bytes(arch, setup) else {}),
         "overhead_bytes": overhead,
     }
     per_device["total_bytes"] = sum(per_device.values())

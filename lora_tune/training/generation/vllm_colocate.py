@@ -52,6 +52,8 @@ def start(inputs) -> Engine:
     cfg = inputs.cfg
     cuda = torch.cuda.is_available()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.vllm_kv_cache_space:g}")
+    if not cfg.verbose:  # its engine's start-up and shutdown logs are not about anything the user did
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     if dist.is_main():
         handover.clear(inputs.output_dir)
     dist.barrier()

