@@ -4,6 +4,7 @@ generation batch), completions independent of their batch, the run's files, and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import textwrap
@@ -184,7 +185,20 @@ BAD = {
     "groups split": ({"num_generations": 3}, "not a multiple of --num-generations 3"),
     "weights count": ({"reward_weights": ["1", "2"]}, "2 weights for 1 --reward"),
     "groups split between processes": ({"micro_batch_size": 2, "grad_accum": 1, "nproc": 2, "zero": 1}, "2 completions per process"),
-    "vllm rollouts": ({"rollout": "vllm"}, "--rollout vllm: this machine has no CUDA device"),
+    "vllm rollouts without a server": (
+        {"rollout": "vllm", "vllm_url": "http://127.0.0.1:9"},
+        "--rollout vllm: no vLLM server answers at http://127.0.0.1:9 ([Errno 111] Connection refused); start it with: "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True python -m vllm.entrypoints.openai.api_server --model",
+    ),
+    "vllm rollouts of a DoRA adapter": (
+        {"rollout": "vllm", "dora": True},
+        "--rollout vllm: vLLM can't use this run's adapter: vLLM refuses DoRA",
+    ),
+    "vllm colocated where vllm is not installed": (
+        {"rollout": "vllm", "vllm_mode": "colocate"},
+        "--vllm-mode colocate: vLLM is not installed",
+    ),
+    "vllm options without vllm rollouts": ({"vllm_url": "http://127.0.0.1:9"}, "--vllm-url applies to --rollout vllm"),
     "a column the data lacks": ({"data": "no-answer"}, "takes the data column 'answer', which --data lacks"),
     "eval split": ({"eval_split": 0.25}, "--eval-split"),
 }
@@ -192,6 +206,8 @@ BAD = {
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_is_one_line_before_loading(case, tiny_model, files, tmp_path, capsys):
+    if case == "vllm colocated where vllm is not installed" and importlib.util.find_spec("vllm"):
+        pytest.skip("vLLM is installed in this environment")
     overrides, expected = BAD[case]
     overrides = dict(overrides)
     reward = overrides.pop("reward", [f"{files['rewards']}:even"])

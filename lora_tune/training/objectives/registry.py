@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from lora_tune.errors import UserError
+from lora_tune.training.generation.options import VLLMOptions
 from lora_tune.training.objectives.grpo import GRPOLoss
 from lora_tune.training.objectives.options import GRPOOptions
 from lora_tune.training.objectives.preference import WITH_REFERENCE, PreferenceLoss
@@ -60,6 +61,7 @@ OPTIONS = {
     "kto_undesirable_weight": ("kto",),
     "reference": tuple(name for name, o in OBJECTIVES.items() if o.reference),
     **{name: ("grpo",) for name in GRPOOptions.model_fields},
+    **{name: ("grpo",) for name in VLLMOptions.model_fields},
 }
 
 
@@ -93,6 +95,10 @@ def check_online(cfg) -> None:
             "--objective grpo trains on prompts, which have no loss to evaluate: leave out --eval-data / --eval-split and watch the "
             "rewards, or sample with --eval-prompts"
         )
+    fields = type(cfg).model_fields
+    for name in VLLMOptions.model_fields:
+        if cfg.rollout != "vllm" and name in cfg.model_fields_set and getattr(cfg, name) != fields[name].default:
+            raise UserError(f"--{name.replace('_', '-')} applies to --rollout vllm: add it, or leave the option out")
     # Each rank generates and trains whole groups (lora_tune.training.rollout): a rank's step holds
     # --micro-batch-size x --grad-accum completions, G per prompt.
     completions = cfg.micro_batch_size * cfg.grad_accum
