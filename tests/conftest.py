@@ -18,8 +18,9 @@ import datasets.utils.logging  # noqa: E402
 import pytest  # noqa: E402
 
 from lora_tune.models.tiny.model import build_tiny_llama  # noqa: E402
+from lora_tune.training.generation import vllm_server as vllm  # noqa: E402
 
-from helpers import ALPACA, CHAT, PROMPT_COMPLETION, TEXT, write_jsonl  # noqa: E402
+from helpers import ALPACA, CHAT, PROMPT_COMPLETION, TEXT, free_port, write_jsonl  # noqa: E402
 
 
 def pytest_configure(config):
@@ -47,3 +48,40 @@ def data_files(tmp_path) -> dict[str, Path]:
         "prompt_completion": write_jsonl(tmp_path / "pc.jsonl", PROMPT_COMPLETION),
         "text": write_jsonl(tmp_path / "text.jsonl", TEXT),
     }
+
+
+# --- vLLM (--rollout vllm, check-serving --live) -------------------------------------------------------
+# vLLM lives in an environment of its own (it pins its own transformers): `.ci/vllm-env` builds it and
+# .ci/run passes its python here. Without it the vLLM tests skip.
+VLLM_PYTHON = os.environ.get("LORA_TUNE_VLLM_PYTHON")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    if not VLLM_PYTHON:
+        pytest.skip("no vLLM environment (.ci/vllm-env builds one; LORA_TUNE_VLLM_PYTHON names its python)")
+    return VLLM_PYTHON
+
+
+@pytest.fixture(scope="session")
+def vllm_tiny_model(tmp_path_factory) -> Path:
+    """The tiny Llama with heads of 32 (vLLM's CPU attention takes no smaller), its weights 15x the
+    usual scale so that a LoRA moves its sampling far in a few steps (see test_rollout's peaky model)."""
+    shape = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024)
+    return build_tiny_llama(tmp_path_factory.mktemp("vllm-tiny-llama"), initializer_range=0.3, **shape)
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_python, vllm_tiny_model, tmp_path_factory):
+    """One vLLM OpenAI server for the session, on the tiny model, as the README's command starts it
+    (fp32, runtime LoRA, rank up to 16, TRL's processed log-probabilities): its URL."""
+    url = f"http://127.0.0.1:{free_port()}"
+    log_file = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    args = vllm.server_args(str(vllm_tiny_model), url, "float32", 16, 1024)
+    process = vllm.launch(vllm_python, args, url, log_file, kv_cache_space=1)
+    server = vllm.Server(vllm.Client(url, 60), process, log_file, log_file.parent / "adapters")
+    try:
+        vllm.wait_healthy(server.client, url, 300, process, log_file)
+        yield url
+    finally:
+        server.close()

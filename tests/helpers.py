@@ -98,15 +98,19 @@ def single_error_line(err: str) -> str:
     return lines[0]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_jobs(jobs: list[dict], folder: Path, nproc: int = 2, timeout: float = 900, nodes: int = 1) -> list[dict]:
     """Run CLI jobs one after another inside one `nproc`-process job (see distributed_jobs.py).
     `nodes` > 1: that many torchrun "nodes" of `nproc` ranks each, over loopback, the README's
     multi-node command (one torchrun per node, --node-rank, node 0 as the master)."""
     jobs_file = folder / "jobs.json"
     jobs_file.write_text(json.dumps(jobs, default=str))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (folder / "master_port").write_text(str(port))  # for tests that look at what the job left behind
     worker = Path(__file__).resolve().parent / "distributed_jobs.py"
     launch = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1"]

@@ -39,6 +39,7 @@ from lora_tune.training.generation.registry import GenerationError, Sampled, cut
 log = logging.getLogger("lora_tune")
 
 LOG_FILE = "vllm-server.log"
+ADMIN = 60  # seconds for an adapter load or unload (--vllm-timeout bounds the completions)
 # vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks); its default is 16.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "8bit": "bfloat16", "4bit": "bfloat16"}
@@ -50,8 +51,9 @@ PRELUDE = (
 
 
 def vllm_max_lora_rank(rank: int) -> int:
-    """The smallest --max-lora-rank vLLM accepts that serves this rank."""
-    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
+    """The smallest --max-lora-rank vLLM accepts that serves this rank, and never below vLLM's default
+    (16): a server started with it computes what the user's default server computes, token for token."""
+    return next(r for r in VLLM_MAX_LORA_RANKS if r >= max(rank, 16))
 
 
 def serve_command(cfg, base: str, max_model_len: int, python: str = "python") -> str:
@@ -209,16 +211,19 @@ class Server:
     def close(self) -> None:
         if dist.is_main():
             handover.remove(self.adapters)  # the run's adapters for vLLM: none outlives it
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        try:
-            os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the engine's worker processes too
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-        except ProcessLookupError:
-            pass
+        # Its own session: the engine's processes too, also when the server itself already died.
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(1)  # the engine's processes wind down after the server
 
 
 def start(inputs) -> Server:
@@ -299,7 +304,7 @@ def probe_rank(client: Client, cfg, adapters: Path, base: str, max_model_len: in
     and nothing is loaded. A server that can't read the run folder says so the same way."""
     folder = handover.probe(adapters)
     try:
-        status, body = client.call("/v1/load_lora_adapter", {"lora_name": "lora-tune-rank-probe", "lora_path": str(folder)})
+        status, body = client.call("/v1/load_lora_adapter", {"lora_name": "lora-tune-rank-probe", "lora_path": str(folder)}, ADMIN)
     except OSError as e:
         raise UserError(f"--rollout vllm: the server at {cfg.vllm_url} stopped answering ({reason(e)})") from None
     finally:
@@ -319,7 +324,7 @@ def probe_rank(client: Client, cfg, adapters: Path, base: str, max_model_len: in
             "the same paths)"
         )
     elif status == 200:  # a server that took a config without weights: unload it, and go on
-        client.call("/v1/unload_lora_adapter", {"lora_name": "lora-tune-rank-probe"})
+        client.call("/v1/unload_lora_adapter", {"lora_name": "lora-tune-rank-probe"}, ADMIN)
 
 
 # --- generation ------------------------------------------------------------------------------------------
@@ -335,7 +340,8 @@ class ServerGenerator:
         self.handover = handover.Handover(server.adapters, model.peft_model, engine)
         self.pad_id, self.eos_ids = special_ids(inputs.tokenizer, model)
         self.loaded: str | None = None  # the adapter the server holds for this run
-        self.tag = f"lora-tune-{os.getpid()}-{int(time.time())}"  # a name no earlier run left on the server
+        # A name no earlier run left on the server, rank 0's on every rank (they ask for the same adapter).
+        self.tag = dist.first_message(f"lora-tune-{os.getpid()}-{int(time.time())}" if dist.is_main() else None)
 
     def generate(self, index: int, prompts: list[list[int]], seeds: list[int]) -> list[Sampled]:
         name = f"{self.tag}-gen{index}"
@@ -370,7 +376,7 @@ class ServerGenerator:
 
     def _load(self, name: str, folder: Path) -> None:
         try:
-            status, body = self.server.client.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+            status, body = self.server.client.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, ADMIN)
         except OSError as e:
             raise GenerationError(f"the vLLM server at {self.cfg.vllm_url} stopped answering ({reason(e)})", self._advice()) from None
         if status != 200:
@@ -380,7 +386,7 @@ class ServerGenerator:
         """Unload the adapter of the batch before (the server keeps one) and drop its folder."""
         if self.loaded is not None:
             try:
-                self.server.client.call("/v1/unload_lora_adapter", {"lora_name": self.loaded})
+                self.server.client.call("/v1/unload_lora_adapter", {"lora_name": self.loaded}, ADMIN)
             except OSError:
                 pass  # the next load says whether the server is still there
         self.handover.retire()
