@@ -16,6 +16,8 @@ import psutil
 import pytest
 import torch
 
+from lora_tune.cli import main
+
 from helpers import (
     FAST,
     adapter_tensors,
@@ -67,18 +69,7 @@ def learned(vllm_server, vllm_tiny_model, files, tmp_path_factory):
     runs = {}
     for rollout, extra in (("vllm", {"vllm_url": vllm_server}), ("transformers", {})):
         out = root / rollout
-        code = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "lora_tune",
-                *grpo_args(vllm_tiny_model, files, out, max_steps=12, save_steps=6, rollout=rollout, **extra),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert code.returncode == 0, code.stderr[-3000:]
+        assert main(grpo_args(vllm_tiny_model, files, out, max_steps=12, save_steps=6, rollout=rollout, **extra)) == 0
         runs[rollout] = out
     return runs
 
