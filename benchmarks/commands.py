@@ -30,12 +30,18 @@ PRELOAD = [
 ]
 
 
-def run_python(script: str, args: list[str], preloaded: bool = False) -> subprocess.CompletedProcess:
+def run_python(script: str, args: list[str], preloaded: bool = False, python: str | None = None, watch=None) -> subprocess.CompletedProcess:
     """`python -c script *args`, its output captured: in a fresh interpreter (a real run: each route's
     peak RSS is its own), or, `preloaded`, in a child forked from a server that has imported PRELOAD
-    (never having run anything, so the fork is safe), whose peak RSS includes those imports."""
+    (never having run anything, so the fork is safe), whose peak RSS includes those imports.
+    `python`: another environment's interpreter (vLLM's); `watch(pid)`: called with the fresh
+    interpreter's pid once it runs (a sampler of its process tree)."""
     if not preloaded:
-        return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True)
+        proc = subprocess.Popen([python or sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        if watch is not None:
+            watch(proc.pid)
+        out, err = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as folder:

@@ -267,11 +267,14 @@ def build_model(folder: Path, shape: str, corpus: list[str]) -> Path:
     return folder
 
 
-def run_route(script: str, base: Path, data: Path, cfg: dict, out: Path, preloaded: bool = False) -> dict:
+def run_route(
+    script: str, base: Path, data: Path, cfg: dict, out: Path, preloaded: bool = False, python: str | None = None, watch=None
+) -> dict:
     """A route's figures. `preloaded` (the test suite's tiny shapes): forked with the libraries
-    imported (commands.run_python), where a real run starts each route in a fresh interpreter."""
+    imported (commands.run_python), where a real run starts each route in a fresh interpreter;
+    `python`, `watch`: as run_python's."""
     t = time.perf_counter()
-    proc = run_python(script, [str(base), str(data), json.dumps(cfg), str(out)], preloaded)
+    proc = run_python(script, [str(base), str(data), json.dumps(cfg), str(out)], preloaded, python, watch)
     wall = time.perf_counter() - t
     line = next((row for row in proc.stdout.splitlines() if row.startswith("RESULT ")), None)
     if proc.returncode != 0 or line is None:

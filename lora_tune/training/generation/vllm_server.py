@@ -269,6 +269,13 @@ def launch(python: str, args: list[str], url: str, log_file: Path, kv_cache_spac
             raise UserError(f"--vllm-python: can't run {python} ({e.strerror or e}); give the python of vLLM's environment") from None
 
 
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def port_taken(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(2)
