@@ -19,6 +19,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lora_tune.errors import UserError
 from lora_tune.files import fsync_path, remove_tree, write_safetensors
+from lora_tune.models.loading import checkpointing_on
 from lora_tune.models.targets import Targets, check_adapted, lora_config, lora_layers, resolve_targets
 
 if TYPE_CHECKING:
@@ -65,12 +66,7 @@ def enable_checkpointing(model, checkpointing: Checkpointing, offload: bool) -> 
     # Non-reentrant checkpointing computes grads for LoRA weights even though the block inputs
     # come from frozen embeddings; input grads are enabled too, so the reentrant path used by
     # some remote-code models doesn't hit "element 0 does not require grad" (transformers #42489).
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
-        # offload: transformers keeps the checkpointed layer inputs in pinned host memory.
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    checkpointing_on(model, offload)  # offload: transformers keeps the checkpointed layer inputs in pinned host memory
     model.disable_input_require_grads()  # its hooks reach a vision tower: see require_grads_from_text_embeddings
     if checkpointing.kept_layers:
         # The layers' own switch (GradientCheckpointingLayer.gradient_checkpointing): the last ones

@@ -324,6 +324,19 @@ def checkpointing_refusal(config) -> str | None:
 _CHECKPOINTING_PROBED: dict[tuple, str | None] = {}
 
 
+def checkpointing_on(model, offload: bool = False) -> None:
+    """Non-reentrant checkpointing of every decoder layer, under the name this transformers has
+    (`activation_checkpointing_enable` since 5.2x, which also offloads the kept inputs to pinned host
+    memory; `gradient_checkpointing_enable` before, as in the transformers vLLM pins)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, offload=offload)
+    elif offload:
+        raise UserError("--activation-offload needs transformers' activation_checkpointing_enable (transformers >= 5.2x); upgrade it")
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _checkpointing_probe(cls, config) -> str | None:
     try:
         with torch.random.fork_rng(devices=[]):
@@ -333,7 +346,7 @@ def _checkpointing_probe(cls, config) -> str | None:
         return None
     model.requires_grad_(False)
     try:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing_on(model)
         model.enable_input_require_grads()
         model(input_ids=torch.stack(probe_samples((8,), seed=2)), use_cache=False).logits.float().sum().backward()
     except Exception as e:  # noqa: BLE001 - whatever a model does wrong under checkpointing
