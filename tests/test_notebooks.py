@@ -15,6 +15,7 @@ from nbclient.exceptions import CellExecutionError
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+VLLM_PYTHON = os.environ.get("LORA_TUNE_VLLM_PYTHON")  # the kernels see it: the GRPO notebook's vLLM cell runs
 AT_ONCE = 2  # kernels running together: a kernel spends most of its time importing, on one core
 SECONDS = {"preference": 38, "quickstart": 30, "grpo": 23, "plan_70b": 21, "vision_language": 20, "merge_and_serve": 10}  # alone, 2 cores
 
@@ -138,6 +139,11 @@ def test_grpo(executed):
     assert re.search(r"step \d+: reward [\d.]+, advantage [+-][\d.]+: ", text)
     assert "reward: " in text and " -> " in text  # the report's summary line
     assert images(nb) >= 1 and (workdir / "grpo_curves.png").is_file() and (workdir / "grpo" / "report.png").is_file()
+    if VLLM_PYTHON:  # the vLLM cell: a server started with the run, the adapter handed over, ratio 1 at fp32
+        ratios = [float(x) for x in re.findall(r"vLLM step \d: reward [\d.]+, importance ratio ([\d.]+)", text)]
+        assert len(ratios) == 2 and all(abs(x - 1) < 1e-3 for x in ratios), text[-2000:]
+    else:
+        assert "no vLLM environment: set VLLM_PYTHON" in text
 
 
 def test_vision_language(executed):
