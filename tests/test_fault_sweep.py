@@ -1,6 +1,6 @@
 """The fault sweep: what a hostile user or a bad day does to every file and folder a command reads or
 writes (truncated, emptied, garbage, a link, a dangling link, a folder in a file's place, a read-only
-disk), across `train`, `train --resume`, `merge`, `plan`, `report` and the Python API. For each case:
+disk), across `train`, `train --resume`, `merge`, `export`, `plan`, `report` and the Python API. For each case:
 no traceback, the documented exit code (2: bad input, one `error:` line; 0: the fault is harmless, e.g.
 a file read through a link, a damaged cache entry rebuilt), and not a byte changed in any file outside
 the command's own output (the trees are hashed before and after). Kills during each stage are below,
@@ -108,6 +108,17 @@ COMMANDS = {
             "run/adapter_config.json",
             "run/adapter_model.safetensors",
             "run/tokenizer_config.json",
+            "base/config.json",
+            "base/model.safetensors",
+        ),
+    ),
+    "export": Command(
+        ("export", "run", "--base", "base", "--output", "run.gguf"),
+        ("run.gguf",),
+        (
+            "run/adapter_config.json",
+            "run/adapter_model.safetensors",
+            "run/tokenizer.json",
             "base/config.json",
             "base/model.safetensors",
         ),
@@ -220,6 +231,7 @@ API = {
     "train": lambda: lora_tune.train("config.yaml", output_dir="new-run"),
     "resume": lambda: lora_tune.train("config.yaml", output_dir="run", resume=True, max_steps=3),
     "merge": lambda: lora_tune.merge(adapter="run", base="base", output="merged", dtype="fp32"),
+    "export": lambda: lora_tune.export(source="run", base="base", output="run.gguf"),
     "plan": lambda: lora_tune.plan("config.yaml", gpu_memory="24GB"),
     "report": lambda: lora_tune.report("run"),
 }
@@ -248,6 +260,7 @@ def test_a_faulty_file_through_the_api(command, target, fault, world, tmp_path, 
 OUTSIDE = {  # where each command writes when its inputs are read-only but its output is not
     "train": ("--output-dir", "new-run"),
     "merge": ("--output", "merged"),
+    "export": ("--output", "run.gguf"),
     "report": ("--output", "report.png"),
 }
 

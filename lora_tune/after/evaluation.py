@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lora_tune.after.merge.reading import latest_adapter
+from lora_tune.after.outputs import check_output
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError, did_you_mean
 from lora_tune.models.aliases import resolve_base
@@ -143,9 +145,10 @@ def run(cfg) -> dict:
     """`lora-tune eval SOURCE --tasks T1,T2 [--limit N] [--base-too]`: writes eval_results.json and
     prints base vs adapter side by side; returns what it wrote."""
     require_lm_eval()
-    source = Path(cfg.source).expanduser()
-    if not source.is_dir():
+    given = Path(cfg.source).expanduser()
+    if not given.is_dir():
         raise UserError(f"{cfg.source} does not exist; give a training run's --output-dir or a merged model folder")
+    source = latest_adapter(given)
     adapter_config = source / "adapter_config.json"
     if adapter_config.is_file():
         base = cfg.base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
@@ -158,7 +161,8 @@ def run(cfg) -> dict:
         base_path, peft_dir = (resolve_base(cfg.base) if cfg.base else None), None
     else:
         raise UserError(f"{source} holds neither an adapter (adapter_config.json) nor a model (config.json)")
-    output = Path(cfg.output).expanduser() if cfg.output else source / RESULTS_FILE
+    local_base = {"base model": Path(base_path)} if base_path and Path(base_path).is_dir() else {}
+    output = check_output(cfg.output or given / RESULTS_FILE, "eval", folder=False, replaces=True, inputs=local_base, ours=is_results)
     manager = task_manager(cfg.include)
     check_tasks(manager, cfg.tasks)
 
@@ -211,6 +215,15 @@ def table(record: dict) -> str:
         + (f" (limit {record['limit']:g} per task)" if record.get("limit") else "")
     )
     return "\n".join(lines)
+
+
+def is_results(path: Path) -> bool:
+    """A results file `eval` wrote (the only kind it replaces in a run's folder)."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "tasks" in record and ("adapter" in record or "model" in record)
 
 
 def read_results(run_dir: Path) -> dict | None:

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from lora_tune.after.evaluation import read_results, table
+from lora_tune.after.outputs import check_output
 from lora_tune.errors import UserError, first_line
 from lora_tune.training.metrics import read_records
 
@@ -201,16 +202,23 @@ def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def check_output(png: Path) -> None:
-    """A plot file we can write: not a folder or a link, in an existing folder, of a kind matplotlib writes."""
-    if png.is_dir() and not png.is_symlink():
-        raise UserError(f"report: --output {png} is a folder; give a file name such as {png / 'report.png'}")
-    if png.is_symlink():
-        raise UserError(f"report: --output {png} is a symbolic link; lora-tune never writes through links: give another file name")
+def check_plot_file(png: Path) -> Path:
+    """A plot file report may write (`outputs.check_output`: never through a link, never into a
+    checkpoint or a model, in a run's folder replacing only a plot), in an existing folder, of a
+    kind matplotlib writes."""
+    png = check_output(png, "report", folder=False, replaces=True, ours=is_plot, said=f"report: --output {png}")
     if not png.parent.is_dir():
         raise UserError(f"report: --output {png}: the folder {png.parent} does not exist")
     if not png.suffix:
         raise UserError(f"report: --output {png}: give a file name with its kind, such as report.png or report.pdf")
+    return png
+
+
+def is_plot(path: Path) -> bool:
+    """A file of a kind matplotlib writes (the only kind report replaces in a run's folder)."""
+    from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415 - optional dependency: the [report] extra
+
+    return path.suffix[1:].lower() in FigureCanvasBase.get_supported_filetypes()
 
 
 def plot_eval_results(ax, record: dict) -> None:
@@ -237,9 +245,9 @@ def plot_eval_results(ax, record: dict) -> None:
 
 def run(cfg) -> Path:
     run_dir = Path(cfg.run_dir).expanduser()
-    png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
     rows = read_metrics(run_dir)
-    check_output(png)
+    pyplot()  # the one-line error when matplotlib is missing, before anything else is said
+    png = check_plot_file(Path(cfg.output) if cfg.output else run_dir / "report.png")
     eval_results = None
     if (run_dir / "eval_results.json").is_file():
         eval_results = read_results(run_dir)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_tune.after import vision
-from lora_tune.after.merge.reading import read_adapter
+from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.errors import UserError, first_line
 from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
@@ -268,6 +268,7 @@ def run(cfg) -> ServingReport:
     folder = Path(cfg.source).expanduser()
     if folder.is_dir() and not (folder / "adapter_config.json").is_file() and (folder / "config.json").is_file():
         return check_merged(cfg.engine, folder)
+    folder = latest_adapter(folder)
     adapter_config, weights = read_adapter(folder)
     base = cfg.base or adapter_config.get("base_model_name_or_path") or ""
     base_config = config_of(base)

@@ -151,9 +151,16 @@ def test_overwrite_replaces_only_when_asked(adapters, tmp_path, capsys):
     code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out], capsys)
     assert code == 2 and "--overwrite" in single_error_line(err)
     assert (out / "keep.txt").read_text() == "user data"
+    # --overwrite replaces only a folder merge itself wrote: never the user's own (issue 52).
+    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--overwrite"], capsys)
+    assert code == 2 and "lora-tune did not write it" in single_error_line(err)
+    assert (out / "keep.txt").read_text() == "user data"
+    (out / "keep.txt").unlink()
+    assert run_cli(["merge", "--adapter", adapters["fp32"], "--output", out], capsys)[0] == 0
+    (out / "model.safetensors").write_bytes(b"stale")
     code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--overwrite"], capsys)
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").read_bytes() != b"stale" and (out / "model.safetensors").stat().st_size > 1000
 
 
 def test_modules_to_save_and_rank_pattern_follow_peft(tiny_model, tmp_path, capsys):

@@ -5,7 +5,9 @@ checkpoint's own names (transformers' conversion mapping, `models.checkpoint_lay
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,10 @@ from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import meta_model, model_class
 from lora_tune.models.targets import lora_layers, lora_target
+from lora_tune.training import checkpoint as ckpt
+from lora_tune.training.run_folder import ADAPTER_FILES
+
+log = logging.getLogger("lora_tune")
 
 
 @dataclass
@@ -38,6 +44,40 @@ class LoraModule:
     magnitude: torch.Tensor | None = None  # DoRA
     experts: int = 0  # > 0: a 3-D (experts, out, in) tensor, or (experts, in, out) when `in_first`
     in_first: bool = False
+
+
+def latest_adapter(folder: Path) -> Path:
+    """The adapter a run's folder holds: its final adapter, or, when the run stopped before writing
+    one (Ctrl-C, a signal, a crash), its newest complete checkpoint, said in one line. Any other
+    folder comes back as it is (`read_adapter` says what it lacks)."""
+    if not folder.is_dir() or any(os.path.lexists(folder / name) for name in ADAPTER_FILES):
+        return folder  # a final adapter, whole or damaged (read_adapter says which)
+    newest = ckpt.newest_complete(folder)
+    if newest is None and (folder / "lora_tune_config.yaml").is_file():
+        raise UserError(
+            f"{folder} is a run that stopped before its first checkpoint: it holds no adapter yet. Continue it with the same "
+            "`lora-tune train` command plus --resume"
+        )
+    if newest is None or not all((newest / name).is_file() for name in ADAPTER_FILES):
+        return folder
+    log.info(
+        "%s holds no final adapter (the run stopped at step %d): using its latest complete checkpoint, %s (`train ... --resume` "
+        "continues the run)",
+        folder,
+        ckpt.step_of(newest),
+        newest,
+    )
+    return newest
+
+
+def tokenizer_folder(adapter_dir: Path, base):
+    """The tokenizer training used: saved beside the final adapter, or, for a checkpoint (which holds
+    none), in its run's folder; else the base's (`base`, returned as given)."""
+    run = adapter_dir.parent if ckpt.is_checkpoint_name(adapter_dir.name) else None
+    for folder in (adapter_dir, run):
+        if folder is not None and (folder / "tokenizer_config.json").is_file():
+            return folder
+    return base
 
 
 def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
