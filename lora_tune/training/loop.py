@@ -186,7 +186,8 @@ class TrainingLoop:
         except RewardError as e:  # the user's reward function failed: said in one line, the last checkpoint kept
             good = ckpt.newest_complete(self.inputs.output_dir)
             kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
-            raise TrainingStopped(f"{e} at step {state.step + 1}; {kept}. Fix the function and rerun (with --resume)", 1, "error") from None
+            how = self.inputs.resume_how
+            raise TrainingStopped(f"{e} at step {state.step + 1}; {kept}. Fix the function and continue with {how}", 1, "error") from None
         # The step's loss is the sum over every label token of every rank, divided by their count.
         # Each rank divides by count / world size, because the backends average gradients over
         # ranks: N ranks then compute exactly what one process would.
@@ -248,7 +249,7 @@ class TrainingLoop:
             signum = self.stop_signal or signal.SIGTERM
             raise TrainingStopped(
                 f"stopped by {signal.Signals(signum).name} after step {state.step}; checkpoint saved to {path}. "
-                "Continue with the same command plus --resume",
+                f"Continue with {self.inputs.resume_how}",
                 EXIT_SIGNAL[signum],
             )
 
@@ -282,7 +283,8 @@ class TrainingLoop:
         path = self.save_checkpoint() if self.state.step > 0 else None
         lines = [f"out of memory at step {self.state.step + 1} on {device}."]
         lines += self.inputs.out_of_memory_advice
-        lines.append(f"checkpoint saved to {path}; continue with --resume" if path else "no step had completed, so nothing was saved")
+        kept = f"checkpoint saved to {path}; continue with {self.inputs.resume_how}"
+        lines.append(kept if path else "no step had completed, so nothing was saved")
         raise TrainingStopped("\n".join(lines), 1, "error")
 
     def report_memory(self, when: str) -> None:
@@ -353,7 +355,8 @@ class TrainingLoop:
             good = ckpt.newest_complete(output_dir)
             kept = f"{good.name} is intact" if good else "no earlier checkpoint exists"
             raise TrainingStopped(
-                f"could not write checkpoint-{step} in {output_dir} ({e.strerror or e}); {kept}. Free space and rerun with --resume",
+                f"could not write checkpoint-{step} in {output_dir} ({e.strerror or e}); {kept}. Free space and continue with "
+                f"{self.inputs.resume_how}",
                 1,
                 "error",
             ) from None
@@ -396,7 +399,7 @@ class TrainingLoop:
         except OSError as e:
             raise TrainingStopped(
                 f"could not write the final adapter to {output_dir} ({e.strerror or e}); checkpoint-{self.state.step} holds it. "
-                "Free space and rerun with --resume",
+                f"Free space and continue with {self.inputs.resume_how}",
                 1,
                 "error",
             ) from None
