@@ -45,16 +45,26 @@ def number(v) -> float:
         return math.nan
 
 
+def throughput(steps: list[dict]) -> str:
+    """Tokens over time, as everyone reads "tokens/s": the logged steps' tokens over their seconds (a
+    mean of per-step rates would let one fast step stand for many slow ones)."""
+    timed = [(number(r.get("tokens_per_s")), number(r.get("step_seconds"))) for r in steps]
+    timed = [(rate * seconds, seconds) for rate, seconds in timed if math.isfinite(rate) and math.isfinite(seconds) and seconds > 0]
+    seconds = sum(s for _, s in timed)
+    if not seconds:
+        return "tokens/s unknown (no step times in metrics.jsonl)"
+    done = sum(t for t, _ in timed)
+    return f"{done / seconds:,.0f} tokens/s ({done:,.0f} tokens in {seconds:,.1f} s of training steps)"
+
+
 def summary(rows: list[dict]) -> str:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    speeds = [number(r.get("tokens_per_s")) for r in steps[1:] or steps]  # the first step includes warm-up
-    speeds = [v for v in speeds if math.isfinite(v)] or [math.nan]
     peaks = [v for v in (number(r.get("peak_memory_bytes")) for r in steps) if math.isfinite(v)] or [math.nan]
     tokens = number(steps[-1].get("tokens_seen", 0))
     lines = [
         f"steps: {steps[-1].get('step')}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
-        f"tokens: {tokens:,.0f}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; peak memory {max(peaks) / 2**30:.2f} GiB",
+        f"tokens: {tokens:,.0f}; {throughput(steps)}; peak memory {max(peaks) / 2**30:.2f} GiB",
     ]
     if evals:
         best = min(evals, key=lambda r: number(r["eval_loss"]) if math.isfinite(number(r["eval_loss"])) else math.inf)
