@@ -121,11 +121,17 @@ def verify(path: Path, source: Source, config: dict, family, planned, cfg: Expor
         log.info("verify: %s", result.notes[-1])
     got = gguf_check.gguf_logits(path, ids, reading)
     gguf_check.compare(got, want, cfg.quant, result)
+    confident = (
+        f" ({100 * result.confident_agreement:.2f}% at the {result.confident_positions} positions where the merged model is confident)"
+        if result.confident_positions
+        else ""
+    )
     log.info(
         "verify: logits through transformers' GGUF loader vs the merged model: max diff %.2e (relative %.2e), greedy "
-        "agreement %.2f%%, tokenizer ids equal",
+        "agreement %.2f%%%s, tokenizer ids equal",
         result.max_abs_logit_diff,
         result.max_rel_logit_diff,
         100 * result.greedy_agreement,
+        confident,
     )
     return result
