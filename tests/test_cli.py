@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lora_tune.engines.registry
-from lora_tune.cli import build_parser, config_from_args, without_flags
+from lora_tune.cli import build_parser, config_from_args, main, without_flags
 from lora_tune.config import TrainConfig
 from lora_tune.errors import UserError
 from lora_tune.options import flag
@@ -55,6 +55,20 @@ def test_help_documents_every_option_and_the_registered_backends(capsys):
     assert "--backend single|deepspeed|fsdp" in text and "--zero 0|1|2|3" in text
     for name, description in lora_tune.engines.registry.names().items():
         assert f"{name}: {description.split()[0]}" in " ".join(text.split())
+
+
+def test_help_with_a_config_shows_the_file_s_values_as_the_defaults(tmp_path, capsys, monkeypatch):
+    """`train --config X --help` showed the built-in defaults (rank 16), not what the run would use."""
+    monkeypatch.chdir(tmp_path)  # a short file name: --help wraps long ones at their dashes
+    (tmp_path / "c.yaml").write_text("rank: 32\nlr: 0.0005\n")
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--config", "c.yaml", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0
+    assert "--rank RANK LoRA rank r. (default: 32, from c.yaml)" in text and "Peak learning rate. (default: 0.0005, from c.yaml)" in text
+    assert "Default: 2 x rank. (default: unset)" in text  # --alpha: what the file leaves out keeps its built-in default
+    assert main(["train", "--config", "none.yaml", "--help"]) == 2
+    assert single_error_line(capsys.readouterr().err).startswith("error: config file none.yaml does not exist")
 
 
 def test_version_and_help_load_no_library_and_print_no_noise():
