@@ -213,11 +213,13 @@ def cmd_models() -> int:
     from lora_tune.models.aliases import ALIASES, architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
     from lora_tune.planner.architecture import Architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
-    print(f"{'alias':<13} {'hub id':<33} {'params':>8}  description")
+    names = max(len("alias"), *(len(a.name) for a in ALIASES.values()))  # columns as wide as their longest entry
+    hub_ids = max(len("hub id"), *(len(a.hub_id) for a in ALIASES.values()))
+    print(f"{'alias':<{names}} {'hub id':<{hub_ids}} {'params':>8}  description")
     for a in ALIASES.values():
         params = Architecture.from_config(architecture(a.name)).total  # exact: counted on a meta skeleton
         size = f"{params / 1e9:>7.2f}B" if params >= 1e8 else f"{params / 1e6:>7.2f}M"
-        print(f"{a.name:<13} {a.hub_id:<33} {size}  {a.description}")
+        print(f"{a.name:<{names}} {a.hub_id:<{hub_ids}} {size}  {a.description}")
     return 0
 
 
@@ -259,6 +261,10 @@ def quiet_libraries(quiet: bool = True) -> None:
     pattern = "|".join(NOISY_LIBRARIES)
     for category in (FutureWarning, DeprecationWarning, UserWarning):
         warnings.filterwarnings("ignore" if quiet else "default", category=category, module=rf"({pattern})(\.|$)")
+    # peft's notes on its own bookkeeping: the rank_pattern / alpha_pattern it adds for fused MoE experts,
+    # then finds unmatched (Qwen3-Next's shared expert). What it adapted is checked exactly
+    # (lora_tune.models.targets.check_adapted), so they say nothing about the run.
+    warnings.filterwarnings("ignore" if quiet else "default", category=RuntimeWarning, module=r"peft(\.|$)")
     for name in NOISY_LIBRARIES:
         logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.NOTSET)
     if quiet:
