@@ -16,7 +16,9 @@ import json
 import logging
 import math
 import os
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +26,7 @@ import torch
 
 from lora_tune.after.merge.reading import latest_adapter
 from lora_tune.after.outputs import check_output
+from lora_tune.after.serving import read_config
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError, did_you_mean
 from lora_tune.models.aliases import resolve_base
@@ -86,29 +89,59 @@ def run_tasks(
     num_fewshot: int | None = None,
     batch_size: int = 1,
     manager=None,
+    quiet: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Score an in-memory model (a PeftModel too) on lm-eval tasks: {task: {metric: value}}.
 
     The training-time hook for --eval-tasks calls this at each evaluation with the model being
     trained (in eval mode, under no_grad: lm-eval only runs forward passes)."""
     require_lm_eval()
-    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
 
     manager = manager or task_manager(include)
     check_tasks(manager, tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-        verbosity="ERROR",
-    )
+    return evaluate(lm, tasks, limit, num_fewshot, manager, quiet)
+
+
+def evaluate(lm, tasks: list[str], limit, num_fewshot, manager, quiet: bool) -> dict[str, dict[str, float]]:
+    """lm-eval's simple_evaluate on a loaded model: {task: {metric: value}}. It records the git commit
+    of the working folder with `git describe`, which writes to our stderr: outside a repository git
+    says 'fatal: not a git repository' into the command's output (at every --eval-tasks evaluation).
+    `quiet` (no --verbose): the stderr file descriptor points at /dev/null for the call; lm-eval's own
+    logs are at ERROR already, and its failures arrive as exceptions."""
+    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    with stderr_silenced(quiet):
+        results = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
     return metrics_of(results or {})
+
+
+@contextmanager
+def stderr_silenced(active: bool):
+    """File descriptor 2 (what child processes inherit) pointed at /dev/null while the block runs."""
+    if not active:
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def flat_metrics(scores: dict[str, dict[str, float]], prefix: str = "eval_tasks") -> dict[str, float]:
@@ -118,7 +151,6 @@ def flat_metrics(scores: dict[str, dict[str, float]], prefix: str = "eval_tasks"
 
 def _score_path(pretrained: str, peft_dir: str | None, cfg, manager) -> dict[str, dict[str, float]]:
     """lm-eval loads the model itself (with the adapter through peft when given)."""
-    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -128,17 +160,7 @@ def _score_path(pretrained: str, peft_dir: str | None, cfg, manager) -> dict[str
     lm = HFLM(
         pretrained=pretrained, peft=peft_dir, device=device, dtype=dtype, batch_size=cfg.batch_size, trust_remote_code=cfg.trust_remote_code
     )
-    results = simple_evaluate(
-        model=lm,
-        tasks=cfg.tasks,
-        limit=cfg.limit,
-        num_fewshot=cfg.num_fewshot,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-        verbosity="ERROR",
-    )
-    return metrics_of(results or {})
+    return evaluate(lm, cfg.tasks, cfg.limit, cfg.num_fewshot, manager, not cfg.verbose)
 
 
 def run(cfg) -> dict:
@@ -151,7 +173,7 @@ def run(cfg) -> dict:
     source = latest_adapter(given)
     adapter_config = source / "adapter_config.json"
     if adapter_config.is_file():
-        base = cfg.base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        base = cfg.base or read_config(adapter_config, "eval").get("base_model_name_or_path")
         if not base:
             raise UserError(f"--base: {adapter_config} records no base; pass --base")
         base_path, peft_dir = resolve_base(base), str(source)
@@ -168,6 +190,9 @@ def run(cfg) -> dict:
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     record: dict = {"source": str(source), "tasks": cfg.tasks, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}}
+    shown = "" if cfg.verbose else " (lm-eval's progress bars: --verbose)"
+    what = ("the adapter" if peft_dir else str(source)) + (" and the base" if cfg.base_too else "")
+    log.info("eval: scoring %s on %s%s", what, ", ".join(cfg.tasks), shown)
     t0 = time.perf_counter()
     record["adapter" if peft_dir else "model"] = _score_path(base_path if peft_dir else str(source), peft_dir, cfg, manager)
     record["seconds"]["adapter" if peft_dir else "model"] = round(time.perf_counter() - t0, 2)
@@ -251,6 +276,7 @@ def task_scorer(cfg: TrainConfig):
     check_tasks(task_manager(cfg.eval_tasks_include), cfg.eval_tasks)
 
     def score(peft_model, tokenizer) -> dict[str, float]:
-        return flat_metrics(run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include))
+        scores = run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include, quiet=not cfg.verbose)
+        return flat_metrics(scores)
 
     return score

@@ -141,3 +141,14 @@ def test_eval_tasks_are_checked_before_loading(run_and_tasks, tiny_model, tmp_pa
     assert code == 2 and "tiny_ad" in single_error_line(err) and not (tmp_path / "a").exists()
     code, _, err = run_cli(fast_train_args(tiny_model, data, tmp_path / "b", eval_tasks=["tiny_add"], zero=2), capsys)
     assert code == 2 and "--eval-tasks scores the model in one process" in single_error_line(err)
+
+
+def test_eval_outside_a_git_repository_prints_no_git_error(run_and_tasks, tmp_path, capfd, monkeypatch):
+    """lm-eval runs `git describe` with our stderr: outside a repository every eval (and every
+    --eval-tasks evaluation) printed "fatal: not a git repository". --verbose leaves it be."""
+    run, tasks = run_and_tasks
+    monkeypatch.chdir(tmp_path)  # not a repository (the suite runs inside one)
+    for verbose, expected in ((False, False), (True, True)):
+        argv = ["eval", run, "--tasks", "tiny_add", "--include", tasks, "--limit", "2", "--output", tmp_path / "r.json"]
+        assert main([str(a) for a in argv] + (["--verbose"] if verbose else [])) == 0
+        assert ("fatal: not a git repository" in capfd.readouterr().err) == expected
