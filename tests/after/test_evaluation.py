@@ -4,6 +4,7 @@ it, results in eval_results.json, the report's PNG and the API; the in-memory ho
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,12 @@ def test_eval_outside_a_git_repository_prints_no_git_error(run_and_tasks, tmp_pa
         argv = ["eval", run, "--tasks", "tiny_add", "--include", tasks, "--limit", "2", "--output", tmp_path / "r.json"]
         assert main([str(a) for a in argv] + (["--verbose"] if verbose else [])) == 0
         assert ("fatal: not a git repository" in capfd.readouterr().err) == expected
+
+
+def test_eval_of_a_damaged_adapter_config_is_one_line(run_and_tasks, tmp_path, capsys):
+    run, tasks = run_and_tasks
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    (broken / "adapter_config.json").write_bytes(b"\xff\xfe{garbage")
+    code, _, err = run_cli(["eval", broken, "--tasks", "tiny_add", "--include", tasks], capsys)
+    assert code == 2 and f"eval: {broken / 'adapter_config.json'} is unreadable or not JSON" in single_error_line(err)
