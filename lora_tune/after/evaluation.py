@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lora_tune.after.merge.reading import latest_adapter
-from lora_tune.after.outputs import check_output
+from lora_tune.after.outputs import check_output, is_model, written_by_us
 from lora_tune.after.serving import read_config
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError, did_you_mean
@@ -183,6 +183,8 @@ def run(cfg) -> dict:
         base_path, peft_dir = (resolve_base(cfg.base) if cfg.base else None), None
     else:
         raise UserError(f"{source} holds neither an adapter (adapter_config.json) nor a model (config.json)")
+    if not cfg.output and is_model(given) and not written_by_us(given):  # a base (or a hub snapshot): nothing is written into it
+        raise UserError(f"--output: {given} is a model lora-tune did not write, and eval writes nothing into it; pass --output FILE.json")
     local_base = {"base model": Path(base_path)} if base_path and Path(base_path).is_dir() else {}
     output = check_output(cfg.output or given / RESULTS_FILE, "eval", folder=False, replaces=True, inputs=local_base, ours=is_results)
     manager = task_manager(cfg.include)

@@ -162,3 +162,16 @@ def test_eval_of_a_damaged_adapter_config_is_one_line(run_and_tasks, tmp_path, c
     (broken / "adapter_config.json").write_bytes(b"\xff\xfe{garbage")
     code, _, err = run_cli(["eval", broken, "--tasks", "tiny_add", "--include", tasks], capsys)
     assert code == 2 and f"eval: {broken / 'adapter_config.json'} is unreadable or not JSON" in single_error_line(err)
+
+
+def test_eval_of_a_base_model_folder_asks_for_an_output(run_and_tasks, tiny_model, tmp_path, capsys):
+    """Its default, SOURCE/eval_results.json, would write into a model lora-tune did not write."""
+    _, tasks = run_and_tasks
+    before = sorted(p.name for p in tiny_model.iterdir())
+    code, _, err = run_cli(["eval", tiny_model, "--tasks", "tiny_add", "--include", tasks, "--limit", "2"], capsys)
+    assert code == 2 and "eval writes nothing into it; pass --output FILE.json" in single_error_line(err)
+    assert sorted(p.name for p in tiny_model.iterdir()) == before
+    code, out, err = run_cli(
+        ["eval", tiny_model, "--tasks", "tiny_add", "--include", tasks, "--limit", "2", "--output", tmp_path / "b.json"], capsys
+    )
+    assert code == 0 and json.loads((tmp_path / "b.json").read_text())["limit"] == 2, err
