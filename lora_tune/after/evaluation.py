@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lora_tune.after.merge.reading import latest_adapter
+from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.after.outputs import check_output, is_model, written_by_us
 from lora_tune.after.serving import read_config
 from lora_tune.engines import registry as engines
-from lora_tune.errors import UserError, did_you_mean
+from lora_tune.errors import UserError, did_you_mean, first_line
+from lora_tune.files import writable_folder
+from lora_tune.models import shards
 from lora_tune.models.aliases import resolve_base
 
 if TYPE_CHECKING:
@@ -63,6 +65,20 @@ def check_tasks(manager, tasks: list[str]) -> None:
                 f"--tasks: {task} is not an lm-eval task{did_you_mean(task, known)}; "
                 "see `lm-eval ls tasks`, or define it in a YAML file under --include"
             )
+
+
+def check_task_definitions(manager, tasks: list[str]) -> None:
+    """Every task built once (its YAML read, its data loaded) before any model is: a task YAML of
+    --include that lm-eval can't build (cut short, a field it refuses) is one line naming it, not an
+    error from inside lm-eval after the model loaded."""
+    from lm_eval.tasks import get_task_dict  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    with stderr_silenced(True):  # lm-eval's notes on building tasks
+        for task in tasks:
+            try:
+                get_task_dict([task], manager)
+            except Exception as e:  # noqa: BLE001 - lm-eval raises many types for a task it can't build
+                raise UserError(f"--tasks: lm-eval can't build the task {task} ({first_line(e)[:200]}); fix its YAML or its data") from None
 
 
 def metrics_of(results: dict) -> dict[str, dict[str, float]]:
@@ -173,7 +189,8 @@ def run(cfg) -> dict:
     source = latest_adapter(given)
     adapter_config = source / "adapter_config.json"
     if adapter_config.is_file():
-        base = cfg.base or read_config(adapter_config, "eval").get("base_model_name_or_path")
+        config, _ = read_adapter(source)  # a damaged adapter is one line here, not peft's error once the base is loaded
+        base = cfg.base or config.get("base_model_name_or_path")
         if not base:
             raise UserError(f"--base: {adapter_config} records no base; pass --base")
         base_path, peft_dir = resolve_base(base), str(source)
@@ -187,8 +204,13 @@ def run(cfg) -> dict:
         raise UserError(f"--output: {given} is a model lora-tune did not write, and eval writes nothing into it; pass --output FILE.json")
     local_base = {"base model": Path(base_path)} if base_path and Path(base_path).is_dir() else {}
     output = check_output(cfg.output or given / RESULTS_FILE, "eval", folder=False, replaces=True, inputs=local_base, ours=is_results)
+    writable_folder(output.parent, "--output")
+    check_model_files(base_path if peft_dir else str(source), "--base" if peft_dir else "eval")
+    if cfg.base_too:
+        check_model_files(base_path, "--base")
     manager = task_manager(cfg.include)
     check_tasks(manager, cfg.tasks)
+    check_task_definitions(manager, cfg.tasks)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     record: dict = {"source": str(source), "tasks": cfg.tasks, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}}
@@ -244,6 +266,19 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def check_model_files(folder: str, option: str) -> None:
+    """A local model's config.json and safetensors headers, read before lm-eval loads it (where a
+    damaged file is a library's error); a hub id's files are the hub's."""
+    path = Path(folder)
+    if not path.is_dir():
+        return
+    read_config(path / "config.json", option)
+    if shards.shard_files(path) is not None:
+        shards.read_headers(path)
+    elif os.path.lexists(path / shards.SINGLE):  # there, but not a file: a dangling link, a folder
+        shards.read_header(path / shards.SINGLE)
+
+
 def is_results(path: Path) -> bool:
     """A results file `eval` wrote (the only kind it replaces in a run's folder)."""
     try:
@@ -275,7 +310,9 @@ def task_scorer(cfg: TrainConfig):
             "`lora-tune eval OUTPUT_DIR --tasks ...` after training"
         )
     require_lm_eval()
-    check_tasks(task_manager(cfg.eval_tasks_include), cfg.eval_tasks)
+    manager = task_manager(cfg.eval_tasks_include)
+    check_tasks(manager, cfg.eval_tasks)
+    check_task_definitions(manager, cfg.eval_tasks)
 
     def score(peft_model, tokenizer) -> dict[str, float]:
         scores = run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include, quiet=not cfg.verbose)
