@@ -189,7 +189,7 @@ def run(cfg) -> dict:
     source = latest_adapter(given)
     adapter_config = source / "adapter_config.json"
     if adapter_config.is_file():
-        config, _ = read_adapter(source)  # a damaged adapter is one line here, not peft's error once the base is loaded
+        config, _ = read_adapter(source, "eval")  # a damaged adapter is one line here, not peft's error once the base is loaded
         base = cfg.base or config.get("base_model_name_or_path")
         if not base:
             raise UserError(f"--base: {adapter_config} records no base; pass --base")

@@ -80,29 +80,30 @@ def tokenizer_folder(adapter_dir: Path, base):
     return base
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def read_adapter(adapter_dir: Path, option: str = "--adapter") -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json (checked field by field) and the weights; `option` names the folder in messages."""
     if not adapter_dir.is_dir():
-        raise UserError(f"--adapter: {adapter_dir} does not exist; give the --output-dir of a training run")
+        raise UserError(f"{option}: {adapter_dir} does not exist; give the --output-dir of a training run")
     config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
-        raise UserError(f"--adapter: {adapter_dir} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
+        raise UserError(f"{option}: {adapter_dir} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
     try:
         config = json.loads(config_path.read_bytes())
         weights = load_file(str(weights_path))
     except (ValueError, SafetensorError, OSError) as e:  # ValueError: bad JSON or not UTF-8
-        raise UserError(f"--adapter: {adapter_dir} is unreadable or truncated ({first_line(e)})") from None
-    check_adapter_config(config, config_path)
+        raise UserError(f"{option}: {adapter_dir} is unreadable or truncated ({first_line(e)})") from None
+    check_adapter_config(config, config_path, option)
     if not weights:
-        raise UserError(f"--adapter: {weights_path} is empty (the ZeRO-3 save bug); retrain or re-save the adapter")
+        raise UserError(f"{option}: {weights_path} is empty (the ZeRO-3 save bug); retrain or re-save the adapter")
     return config, weights
 
 
-def check_adapter_config(config, path: Path) -> None:
+def check_adapter_config(config, path: Path, option: str = "--adapter") -> None:
     """The fields the merge computes with, each of the type and range peft gives it; anything else
     is named in one line before a tensor is read."""
 
     def bad(what: str) -> UserError:
-        return UserError(f"--adapter: {path} {what}; it is not a LoRA adapter config peft wrote (fix it or re-save the adapter)")
+        return UserError(f"{option}: {path} {what}; it is not a LoRA adapter config peft wrote (fix it or re-save the adapter)")
 
     def is_number(v, positive: bool = False) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 if positive else True)
@@ -110,7 +111,7 @@ def check_adapter_config(config, path: Path) -> None:
     if not isinstance(config, dict):
         raise bad(f"holds a JSON {type(config).__name__}, not an object")
     if config.get("peft_type") != "LORA":
-        raise UserError(f"--adapter: {path.parent} holds a {config.get('peft_type')} adapter; only LoRA adapters can be merged")
+        raise UserError(f"{option}: {path.parent} holds a {config.get('peft_type')} adapter; lora-tune reads LoRA adapters only")
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise bad(f"has r = {r!r}; the rank must be a positive integer")
