@@ -1,7 +1,9 @@
 """The Python API: the CLI's commands as functions, for notebooks and scripts.
 
-Every function takes what the command takes: a YAML file or a dict (`config`) and keyword options
-named as the YAML keys (`max_seq_len=1024`), options winning over the file. Validation and messages
+Every function takes what the command takes: its positional arguments first (`eval`, `export` and
+`check-serving` their SOURCE, `report` its RUN_DIR; `train`, `plan` and `merge` a YAML file or a dict,
+their --config), a YAML file or a dict as `config`, and keyword options named as the YAML keys
+(`max_seq_len=1024`), options winning over the file. Validation and messages
 are the CLI's: bad input raises `lora_tune.UserError` with the same one-line message (`str(e)`), and
 nothing calls `sys.exit`.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +35,12 @@ from lora_tune import planner  # noqa: E402
 from lora_tune.after import evaluation, reporting, serving  # noqa: E402
 from lora_tune.after import export as exporting  # noqa: E402
 from lora_tune.after import merge as merging  # noqa: E402
+from lora_tune.after.merge.reading import latest_adapter, tokenizer_folder  # noqa: E402
 from lora_tune.after.options import CheckServingConfig, EvalConfig, ExportConfig, MergeConfig, ReportConfig  # noqa: E402
 from lora_tune.config import PlanConfig, TrainConfig  # noqa: E402
 from lora_tune.engines import ranks  # noqa: E402
 from lora_tune.engines import registry as engines  # noqa: E402
-from lora_tune.errors import TrainingStopped, UserError  # noqa: E402
+from lora_tune.errors import TrainingStopped, UserError, did_you_mean, first_line  # noqa: E402
 from lora_tune.models.aliases import resolve_base  # noqa: E402
 from lora_tune.models.loading import WEIGHT_DTYPE, load_config  # noqa: E402
 from lora_tune.models.structure import auto_class  # noqa: E402
@@ -45,6 +48,9 @@ from lora_tune.options import build_config, read_yaml  # noqa: E402
 from lora_tune.preflight import check_inputs  # noqa: E402
 from lora_tune.training import launcher, recipe  # noqa: E402
 from lora_tune.training.metrics import read_records  # noqa: E402
+
+# How a stopped run is continued from Python, as the messages of a run started here say it.
+RESUME_HOW = "the same lora_tune.train(...) call with resume=True"
 
 
 @dataclass
@@ -57,7 +63,12 @@ class TrainResult:
     metrics: list[dict] = field(repr=False)  # every record of metrics.jsonl
 
 
-def _config(schema, config, options: dict[str, Any]):
+def _config(schema, config, options: dict[str, Any], call: str):
+    """The command's config from a YAML file or dict and keyword options; `call` names the function
+    in messages (an unknown keyword gets the CLI's did-you-mean)."""
+    for key in options:
+        if key not in schema.model_fields:
+            raise UserError(f"{call}: unknown option {key!r}{did_you_mean(key, schema.model_fields)}; the options are the YAML keys")
     if config is None:
         values, source = {}, "options"
     elif isinstance(config, dict):
@@ -86,7 +97,7 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
         options["reward"] = [
             f if isinstance(f, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', f)}" for f in rewards
         ]
-    cfg = _config(TrainConfig, config, options)
+    cfg = _config(TrainConfig, config, options, "lora_tune.train()")
     _quiet(cfg)
     if (cfg.nproc or engines.spec_of(cfg).multi_process) and not ranks.launched():
         check_inputs(cfg)  # once, before the ranks start: bad input is one UserError here
@@ -94,13 +105,13 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump({k: v for k, v in cfg.model_dump().items() if k != "nproc"}, f)
         try:
-            code = launcher.launch_job(cfg, ["train", "--config", f.name], "lora_tune.train(..., resume=True)")
+            code = launcher.launch_job(cfg, ["train", "--config", f.name], RESUME_HOW)
         finally:
             os.unlink(f.name)
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        recipe.run(check_inputs(cfg, functions), on_metrics=callback)
+        recipe.run(replace(check_inputs(cfg, functions), resume_how=RESUME_HOW), on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
 
 
@@ -125,13 +136,13 @@ def _result(out: Path) -> TrainResult:
 def plan(config: str | Path | dict | None = None, **options):
     """Will it fit, and (auto=True) which setup is fastest (`lora-tune plan`): a `lora_tune.planner.Plan`
     with the numbers `--json` prints (`.to_json()`) and the table (`.text`)."""
-    cfg = _config(PlanConfig, config, options)
+    cfg = _config(PlanConfig, config, options, "lora_tune.plan()")
     return planner.compute(cfg)
 
 
 def merge(config: str | Path | dict | None = None, **options) -> Path:
     """Fold an adapter into its full-precision base, verified (`lora-tune merge`); returns the folder."""
-    cfg = _config(MergeConfig, config, options)
+    cfg = _config(MergeConfig, config, options, "lora_tune.merge()")
     _quiet(cfg)
     return merging.run(cfg)
 
@@ -147,9 +158,11 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
     the GPU when there is one)."""
     from peft import PeftModel  # noqa: PLC0415 - start-up time: importing peft costs seconds, only load() needs it
 
+    setup_logging()
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise UserError(f"{path} is not a folder; give an adapter folder written by train, or a merged model")
+    folder = latest_adapter(folder)  # a run stopped before its final adapter: its latest checkpoint, said
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_ = WEIGHT_DTYPE.get(dtype, torch.bfloat16)
     hf_logging.disable_progress_bar()  # a bar per load in a notebook says nothing
@@ -165,36 +178,56 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
         auto = auto_class(load_config(base_path, trust_remote_code))  # image-text checkpoints load through their own class
         model = auto.from_pretrained(base_path, dtype=dtype_, trust_remote_code=trust_remote_code)
         model = PeftModel.from_pretrained(model, str(folder))
+        tokenizer_dir = tokenizer_folder(folder, base_path)  # a checkpoint holds none: its run's, or the base's
     elif (folder / "config.json").is_file():
         auto = auto_class(load_config(str(folder), trust_remote_code))
         model = auto.from_pretrained(str(folder), dtype=dtype_, trust_remote_code=trust_remote_code)
+        tokenizer_dir = folder
     else:
         raise UserError(f"{folder} holds neither an adapter (adapter_config.json) nor a model (config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:  # ValueError: no tokenizer files there, or files that are not one
+        raise UserError(f"{tokenizer_dir}: could not load a tokenizer ({first_line(e)}); copy the base's tokenizer files there") from None
     return model.to(device).eval(), tokenizer
 
 
-def evaluate(config: str | Path | dict | None = None, **options) -> dict:
-    """Score a run (adapter through peft) or a merged model on lm-eval tasks (`lora-tune eval`);
+def _with_source(source, options: dict[str, Any], call: str) -> dict[str, Any]:
+    """SOURCE given first, as on the command line (`lora-tune eval SOURCE`); a YAML file or dict of
+    options goes in `config=`."""
+    if source is None:
+        return options
+    if isinstance(source, dict) or Path(source).suffix.lower() in (".yaml", ".yml"):
+        raise UserError(
+            f"{call}: the first argument is SOURCE (a run or a merged folder), as on the command line; a config goes in config="
+        )
+    if "source" in options:
+        raise UserError(f"{call}: SOURCE given twice (first argument and source=); give it once")
+    return {**options, "source": str(source)}
+
+
+def evaluate(source: str | Path | None = None, config: str | Path | dict | None = None, **options) -> dict:
+    """Score a run (adapter through peft) or a merged model on lm-eval tasks (`lora-tune eval SOURCE`);
     returns what eval_results.json holds: {"adapter": {task: {metric: value}}, "base": {...} with
     base_too, "limit", "seconds", ...}."""
-    cfg = _config(EvalConfig, config, options)
+    cfg = _config(EvalConfig, config, _with_source(source, options, "lora_tune.evaluate()"), "lora_tune.evaluate()")
     _quiet(cfg)
     return evaluation.run(cfg)
 
 
-def export(config: str | Path | dict | None = None, **options):
+def export(source: str | Path | None = None, config: str | Path | dict | None = None, **options):
     """Export a run or a merged folder to GGUF / a llama.cpp LoRA adapter / Ollama, verified
-    (`lora-tune export`); returns the round-trip figures (`.path`, `.max_rel_logit_diff`,
+    (`lora-tune export SOURCE`); returns the round-trip figures (`.path`, `.max_rel_logit_diff`,
     `.greedy_agreement`, `.token_ids_equal`, `.seconds`)."""
-    cfg = _config(ExportConfig, config, options)
+    cfg = _config(ExportConfig, config, _with_source(source, options, "lora_tune.export()"), "lora_tune.export()")
     _quiet(cfg)
     return exporting.run(cfg)
 
 
-def check_serving(config: str | Path | dict | None = None, **options):
-    """Will this adapter serve on vLLM / llama.cpp / Ollama (`lora-tune check-serving`)? Returns a
+def check_serving(source: str | Path | None = None, config: str | Path | dict | None = None, **options):
+    """Will this adapter serve on vLLM / llama.cpp / Ollama (`lora-tune check-serving SOURCE`)? Returns a
     report with the serve command; raises UserError with every rule it breaks."""
-    cfg = _config(CheckServingConfig, config, options)
+    call = "lora_tune.check_serving()"
+    cfg = _config(CheckServingConfig, config, _with_source(source, options, call), call)
     _quiet(cfg)
     return serving.run(cfg)

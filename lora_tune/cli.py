@@ -38,19 +38,26 @@ def _unwrap(annotation):
     return annotation, False
 
 
-def add_schema_flags(parser: argparse.ArgumentParser, schema) -> None:
+def add_schema_flags(parser: argparse.ArgumentParser, schema, file_values: dict | None = None, file: str = "") -> None:
     """One flag per field, grouped in --help by the section that declares it (train's and plan's);
-    defaults are SUPPRESSed so we know which flags were really given."""
+    defaults are SUPPRESSed so we know which flags were really given. `file_values`: what --config
+    FILE sets, shown as the defaults (flags still win)."""
     groups = schema.sections() if hasattr(schema, "sections") else [(None, list(schema.model_fields))]
     for title, names in groups:
         group = parser.add_argument_group(f"{title} options") if title else parser
         for name in names:
-            add_flag(group, name, schema.model_fields[name])
+            add_flag(group, name, schema.model_fields[name], (file_values or {}).get(name, NOT_IN_FILE), file)
 
 
-def add_flag(parser, name: str, f) -> None:
+NOT_IN_FILE = object()
+
+
+def add_flag(parser, name: str, f, from_file=NOT_IN_FILE, file: str = "") -> None:
     kind, is_list = _unwrap(f.annotation)
-    default = "" if f.is_required() else f" (default: {f.default if f.default is not None else 'unset'})"
+    if from_file is not NOT_IN_FILE:
+        default = f" (default: {from_file}, from {file})"
+    else:
+        default = "" if f.is_required() else f" (default: {f.default if f.default is not None else 'unset'})"
     help_text = (f.description or "") + default
     kw: dict[str, Any] = dict(dest=name, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"))
     if kind is bool:
@@ -106,18 +113,27 @@ class RegistryHelp(argparse.HelpFormatter):
 
 def add_command(sub, name: str, schema, short: str, long: str, config_help: str = "YAML file with any of the options below", **kw):
     """A subcommand whose flags are `schema`'s fields, with --config FILE for the same keys in YAML;
-    `source=True`: SOURCE may also be given positionally."""
+    `source=True`: SOURCE may also be given positionally; `file_values` (with `file`): the --config
+    file's values, shown by --help as the defaults."""
     source = kw.pop("source", False)
+    file_values, file = kw.pop("file_values", None), kw.pop("file", "")
     command = sub.add_parser(name, help=short, description=long, **kw)
     if source:
         command.add_argument(
             "source_arg", nargs="?", metavar="SOURCE", default=argparse.SUPPRESS, help=schema.model_fields["source"].description
         )
     command.add_argument("--config", metavar="FILE", help=config_help)
-    add_schema_flags(command, schema)
+    add_schema_flags(command, schema, file_values, file)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(config: tuple[str, str, dict] | None = None) -> argparse.ArgumentParser:
+    """`config`: (command, FILE, its values) of `COMMAND --config FILE --help`, whose --help shows the
+    file's values as the defaults."""
+    command_of, file, values = config or (None, "", {})
+
+    def shown(name: str) -> dict:
+        return {"file_values": values, "file": file} if name == command_of else {}
+
     parser = OneLineErrorParser(prog="lora-tune", description="Fine-tune large language models with LoRA on the GPUs you have.")
     parser.add_argument("--version", action="version", version=f"lora-tune {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineErrorParser)
@@ -131,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Train a LoRA adapter. Every option is also a key of the --config YAML file (flags win).",
         "YAML file with any of the options below (keys use underscores, e.g. max_seq_len)",
         formatter_class=RegistryHelp,
+        **shown("train"),
     )
     add_command(
         sub,
@@ -138,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
         MergeConfig,
         "merge an adapter into its full-precision base",
         "Fold a LoRA adapter into the full-precision base weights, shard by shard, and verify the result.",
+        **shown("merge"),
     )
     add_command(
         sub,
@@ -148,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         "that fits. Takes every train option, so a training --config plans as it is.",
         "YAML file (a training config works)",
         formatter_class=RegistryHelp,
+        **shown("plan"),
     )
     sub.add_parser("models", help="list the model aliases", description="List the built-in model aliases.")
     report = sub.add_parser(
@@ -165,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Score a run (adapter through peft) or a merged model on lm-evaluation-harness tasks; --base-too puts the base "
         "beside it. Results go to SOURCE/eval_results.json.",
         source=True,
+        **shown("eval"),
     )
     add_command(
         sub,
@@ -174,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Write a run (merged on the fly, streaming) or a merged folder as GGUF, a llama.cpp LoRA adapter GGUF, or an "
         "Ollama folder (GGUF + Modelfile); read back and verified before it is put in place.",
         source=True,
+        **shown("export"),
     )
     add_command(
         sub,
@@ -183,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Check an adapter against a serving engine's rules (each with its source) and print how to serve it; refused "
         "adapters get one line with the alternative.",
         source=True,
+        **shown("check-serving"),
     )
     return parser
 
@@ -197,11 +219,13 @@ def cmd_models() -> int:
     from lora_tune.models.aliases import ALIASES, architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
     from lora_tune.planner.architecture import Architecture  # noqa: PLC0415 - start-up time: each command loads only its own modules
 
-    print(f"{'alias':<13} {'hub id':<33} {'params':>8}  description")
+    names = max(len("alias"), *(len(a.name) for a in ALIASES.values()))  # columns as wide as their longest entry
+    hub_ids = max(len("hub id"), *(len(a.hub_id) for a in ALIASES.values()))
+    print(f"{'alias':<{names}} {'hub id':<{hub_ids}} {'params':>8}  description")
     for a in ALIASES.values():
         params = Architecture.from_config(architecture(a.name)).total  # exact: counted on a meta skeleton
         size = f"{params / 1e9:>7.2f}B" if params >= 1e8 else f"{params / 1e6:>7.2f}M"
-        print(f"{a.name:<13} {a.hub_id:<33} {size}  {a.description}")
+        print(f"{a.name:<{names}} {a.hub_id:<{hub_ids}} {size}  {a.description}")
     return 0
 
 
@@ -243,6 +267,10 @@ def quiet_libraries(quiet: bool = True) -> None:
     pattern = "|".join(NOISY_LIBRARIES)
     for category in (FutureWarning, DeprecationWarning, UserWarning):
         warnings.filterwarnings("ignore" if quiet else "default", category=category, module=rf"({pattern})(\.|$)")
+    # peft's notes on its own bookkeeping: the rank_pattern / alpha_pattern it adds for fused MoE experts,
+    # then finds unmatched (Qwen3-Next's shared expert). What it adapted is checked exactly
+    # (lora_tune.models.targets.check_adapted), so they say nothing about the run.
+    warnings.filterwarnings("ignore" if quiet else "default", category=RuntimeWarning, module=r"peft(\.|$)")
     for name in NOISY_LIBRARIES:
         logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.NOTSET)
     if quiet:
@@ -314,6 +342,20 @@ def cmd_train(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+def help_config(argv: list[str]) -> tuple[str, str, dict] | None:
+    """For `COMMAND --config FILE --help`: (command, FILE, the file's values), so that --help shows
+    what this command would run with; None otherwise."""
+    if not {"-h", "--help"} & set(argv):
+        return None
+    first = argparse.ArgumentParser(add_help=False)
+    first.add_argument("command", nargs="?")
+    first.add_argument("--config")
+    known, _ = first.parse_known_args(argv)
+    if not known.config or not known.command:
+        return None
+    return known.command, known.config, read_yaml(known.config)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     setup_logging()
@@ -322,7 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = without_flags([str(a) for a in (sys.argv[1:] if argv is None else argv)], "--local_rank", "--local-rank")
     if "--verbose" not in argv:  # before parsing: --help imports the backends (and their libraries' chatter)
         quiet_libraries()
-    args = build_parser().parse_args(argv)
+    try:
+        config = help_config(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    args = build_parser(config).parse_args(argv)
     try:
         if args.command == "models":
             return cmd_models()

@@ -80,7 +80,7 @@ class PlanConfig(TrainConfig):
         None, json_schema_extra=MATH, description="Not needed for planning (accepted so a training config can be reused)."
     )
     output_dir: str | None = Field(None, json_schema_extra=FREE, description="Not needed for planning.")
-    gpus: int = Field(1, gt=0, description="GPUs per node.")
+    gpus: int | None = Field(None, gt=0, description="GPUs per node (default: --nproc, the processes a training config starts, else 1).")
     nodes: int = Field(1, gt=0, description="Nodes.")
     gpu_memory: str = Field(
         "a100-80",

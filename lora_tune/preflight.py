@@ -293,4 +293,6 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         score_tasks=score_tasks,
         rewards=rewards,
         image_text=image_text if any(data.images) else None,
+        # A run continued from a chosen checkpoint goes on from its own newest one.
+        **({"resume_how": "the same command with --resume alone (no checkpoint named)"} if isinstance(cfg.resume, str) else {}),
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 
 import pytest
@@ -125,3 +127,66 @@ def test_load_of_a_broken_adapter_config_is_one_user_error(content, tmp_path):
     (tmp_path / "adapter_config.json").write_bytes(content)
     with pytest.raises(UserError, match="adapter_config.json"):
         lora_tune.load(tmp_path)
+
+
+def test_load_takes_a_checkpoint_with_its_run_s_tokenizer(api_run):
+    """`load("RUN/checkpoint-N")` raised transformers' raw ValueError: a checkpoint holds no tokenizer."""
+    result, _, _ = api_run
+    (checkpoint,) = result.output_dir.glob("checkpoint-*")  # the final step's
+    ids = torch.tensor([[1, 5, 9, 14, 20]])
+    logits = []
+    for path in (result.adapter_dir, checkpoint):
+        model, tokenizer = lora_tune.load(path, device="cpu", dtype="fp32")
+        assert tokenizer("The quick brown fox")["input_ids"] == [1, 282, 488, 470, 80, 482]
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
+
+
+def test_after_training_functions_take_source_first_as_the_cli_does(api_run, tmp_path):
+    """check_serving(run_dir, ...), export(run_dir, ...), evaluate(run_dir, ...) read their first argument
+    as a YAML config ('config file RUN is a folder; pass a YAML file to --config')."""
+    result, _, _ = api_run
+    report = lora_tune.check_serving(result.output_dir, engine="vllm")
+    assert (
+        report.command
+        == f"vllm serve {json.loads((result.adapter_dir / 'adapter_config.json').read_text())['base_model_name_or_path']} "
+        + (f"--enable-lora --lora-modules adapter={result.output_dir}")
+    )
+    exported = lora_tune.export(result.output_dir, output=str(tmp_path / "run.gguf"), verify=False)
+    assert exported.path == tmp_path / "run.gguf" and exported.path.read_bytes()[:4] == b"GGUF"
+    with pytest.raises(UserError, match=r"^--tasks: no_such_task is not an lm-eval task"):
+        lora_tune.evaluate(result.output_dir, tasks="no_such_task")
+    with pytest.raises(UserError, match=r"first argument is SOURCE .* a config goes in config="):
+        lora_tune.export("export.yaml", output=str(tmp_path / "x.gguf"))
+
+
+@pytest.mark.parametrize(
+    "call,expected",
+    [
+        (lambda run: lora_tune.train(rnak=8), r"lora_tune.train\(\): unknown option 'rnak' \(did you mean rank\?\)"),
+        (lambda run: lora_tune.export(run, outptu="x.gguf"), r"lora_tune.export\(\): unknown option 'outptu' \(did you mean output\?\)"),
+        (lambda run: lora_tune.merge(adapter=run, outpt="m"), r"lora_tune.merge\(\): unknown option 'outpt' \(did you mean output\?\)"),
+    ],
+)
+def test_an_unknown_keyword_gets_a_did_you_mean(call, expected, api_run):
+    with pytest.raises(UserError, match=expected):
+        call(str(api_run[0].output_dir))
+
+
+def test_a_stopped_api_run_names_the_call_to_continue_it(tiny_model, data_files, tmp_path):
+    """TrainingStopped said "same command plus --resume" inside Python: it names the call instead, which
+    continues the run; the stopped folder loads from its checkpoint meanwhile."""
+
+    def stop_after_step_1(record):
+        if record.get("step") == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C in a notebook does: the step ends, a checkpoint is saved
+
+    kwargs = dict(base=str(tiny_model), data=str(data_files["alpaca"]), output_dir=str(tmp_path / "run"), **options())
+    with pytest.raises(lora_tune.errors.TrainingStopped) as stopped:
+        lora_tune.train(**kwargs, callback=stop_after_step_1)
+    assert str(stopped.value).endswith("Continue with the same lora_tune.train(...) call with resume=True")
+    assert stopped.value.exit_code == 130 and not (tmp_path / "run" / "adapter_config.json").exists()
+    model, _ = lora_tune.load(tmp_path / "run", device="cpu", dtype="fp32")  # checkpoint-1
+    assert model.peft_config["default"].r == 4
+    assert lora_tune.train(**kwargs, resume=True).steps == 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import pytest
 import torch
 
 import lora_tune.engines.registry
-from lora_tune.cli import build_parser, config_from_args, without_flags
+from lora_tune.cli import build_parser, config_from_args, main, quiet_libraries, without_flags
 from lora_tune.config import TrainConfig
 from lora_tune.errors import UserError
+from lora_tune.models.aliases import architecture
 from lora_tune.options import flag
+from lora_tune.planner.architecture import Architecture
 
 from helpers import fast_train_args, run_cli, run_cli_subprocess, single_error_line, write_jsonl
 
@@ -57,11 +60,42 @@ def test_help_documents_every_option_and_the_registered_backends(capsys):
         assert f"{name}: {description.split()[0]}" in " ".join(text.split())
 
 
+def test_help_with_a_config_shows_the_file_s_values_as_the_defaults(tmp_path, capsys, monkeypatch):
+    """`train --config X --help` showed the built-in defaults (rank 16), not what the run would use."""
+    monkeypatch.chdir(tmp_path)  # a short file name: --help wraps long ones at their dashes
+    (tmp_path / "c.yaml").write_text("rank: 32\nlr: 0.0005\n")
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--config", "c.yaml", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert done.value.code == 0
+    assert "--rank RANK LoRA rank r. (default: 32, from c.yaml)" in text and "Peak learning rate. (default: 0.0005, from c.yaml)" in text
+    assert "Default: 2 x rank. (default: unset)" in text  # --alpha: what the file leaves out keeps its built-in default
+    assert main(["train", "--config", "none.yaml", "--help"]) == 2
+    assert single_error_line(capsys.readouterr().err).startswith("error: config file none.yaml does not exist")
+
+
 def test_version_and_help_load_no_library_and_print_no_noise():
     version = run_cli_subprocess(["--version"])
     assert version.returncode == 0 and version.stdout.strip().startswith("lora-tune ") and version.stderr == ""
     helped = run_cli_subprocess(["train", "--help"])
     assert helped.returncode == 0 and helped.stderr == "", helped.stderr  # no bitsandbytes / transformers chatter
+
+
+def test_peft_s_notes_on_its_own_fused_expert_patterns_are_quiet():
+    """`lora-tune models` (and plan, train) on Qwen3-Next printed peft's RuntimeWarning about the
+    rank_pattern it adds itself for fused experts; --verbose shows it again."""
+    config = architecture("qwen3-next-80b-a3b")
+    for quiet, expected in ((True, []), (False, ["The following rank_pattern keys did not match any targeted module"])):
+        with warnings.catch_warnings(record=True) as seen:
+            quiet_libraries(quiet)
+            Architecture.from_config({**config, "_name_or_path": f"quiet {quiet}"})  # a config of its own: not the cached skeleton
+        said = [
+            str(w.message).split(" and were")[0]
+            for w in seen
+            if issubclass(w.category, RuntimeWarning) and "rank_pattern" in str(w.message)
+        ]
+        assert said == expected
+    quiet_libraries()
 
 
 def test_without_flags_drops_flags_and_their_values():

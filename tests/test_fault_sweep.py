@@ -1,10 +1,10 @@
 """The fault sweep: what a hostile user or a bad day does to every file and folder a command reads or
 writes (truncated, emptied, garbage, a link, a dangling link, a folder in a file's place, a read-only
-disk), across `train`, `train --resume`, `merge`, `plan`, `report` and the Python API. For each case:
-no traceback, the documented exit code (2: bad input, one `error:` line; 0: the fault is harmless, e.g.
-a file read through a link, a damaged cache entry rebuilt), and not a byte changed in any file outside
-the command's own output (the trees are hashed before and after). Kills during each stage are below,
-in subprocesses."""
+disk), across `train`, `train --resume`, `merge`, `export`, `eval`, `plan`, `report` and the Python API.
+For each case: no traceback, the documented exit code (2: bad input, one `error:` line; 0: the fault is
+harmless, e.g. a file read through a link, a damaged cache entry rebuilt), and not a byte changed in any
+file outside the command's own output (the trees are hashed before and after). Kills during each stage
+are below, in subprocesses."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ def world(tiny_model, tmp_path_factory) -> Path:
     write_jsonl(root / "data.jsonl", ALPACA)
     write_jsonl(root / "prompts.jsonl", [{"prompt": "Add 1 and 2."}, {"instruction": "Say hi."}])
     (root / "config.yaml").write_text(yaml.safe_dump(CONFIG))
+    (root / "tasks").mkdir()  # an lm-eval task of local data, by a path relative to the world (each case runs in a copy)
+    write_jsonl(
+        root / "tasks" / "add.jsonl", [{"question": f"Add {a} and 1.", "choices": [f"{a + 1}", f"{a + 2}"], "answer": 0} for a in range(4)]
+    )
+    (root / "tasks" / "tiny_add.yaml").write_text(
+        "task: tiny_add\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: tasks/add.jsonl\ntest_split: test\n"
+        'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+        "metric_list:\n  - metric: acc\n"
+    )
     cwd = os.getcwd()
     os.chdir(root)
     try:
@@ -112,6 +121,22 @@ COMMANDS = {
             "base/model.safetensors",
         ),
     ),
+    "export": Command(
+        ("export", "run", "--base", "base", "--output", "run.gguf"),
+        ("run.gguf",),
+        (
+            "run/adapter_config.json",
+            "run/adapter_model.safetensors",
+            "run/tokenizer.json",
+            "base/config.json",
+            "base/model.safetensors",
+        ),
+    ),
+    "eval": Command(
+        ("eval", "run", "--base", "base", "--tasks", "tiny_add", "--include", "tasks", "--limit", "2"),
+        ("run/eval_results.json",),
+        ("run/adapter_config.json", "run/adapter_model.safetensors", "base/config.json", "base/model.safetensors", "tasks/tiny_add.yaml"),
+    ),
     "plan": Command(("plan", "--config", "config.yaml", "--gpu-memory", "24GB"), (), ("config.yaml", "base/config.json")),
     "report": Command(("report", "run"), ("run/report.png",), ("run/metrics.jsonl",)),
 }
@@ -168,6 +193,13 @@ REFUSED = {  # written by the run: a link there is refused, even to an intact co
 }
 
 
+def needs(command: str) -> None:
+    """The optional extras a command runs with (lora-tune[eval], lora-tune[export])."""
+    extra = {"eval": "lm_eval", "export": "gguf"}.get(command)
+    if extra:
+        pytest.importorskip(extra, reason=f"{command} needs the optional {extra}")
+
+
 def expected_code(command: str, target: str, fault: str) -> int:
     keys = {("*", fault), (command, target), (command, target, fault)}
     return 0 if keys & HARMLESS and (command, target, fault) not in REFUSED else 2
@@ -200,6 +232,7 @@ def leftovers(root: Path) -> list[Path]:
 
 @pytest.mark.parametrize("command,target,fault", CASES, ids=[f"{c}-{t}-{f}" for c, t, f in CASES])
 def test_a_faulty_file(command, target, fault, world, tmp_path, capsys, monkeypatch):
+    needs(command)
     root = in_copy(world, tmp_path)
     monkeypatch.chdir(root)
     apply(fault, resolve(root, target), f"{command}-{target}-{fault}".replace("/", "_").replace("*", "x"))
@@ -220,6 +253,8 @@ API = {
     "train": lambda: lora_tune.train("config.yaml", output_dir="new-run"),
     "resume": lambda: lora_tune.train("config.yaml", output_dir="run", resume=True, max_steps=3),
     "merge": lambda: lora_tune.merge(adapter="run", base="base", output="merged", dtype="fp32"),
+    "export": lambda: lora_tune.export(source="run", base="base", output="run.gguf"),
+    "eval": lambda: lora_tune.evaluate("run", base="base", tasks="tiny_add", include="tasks", limit=2),
     "plan": lambda: lora_tune.plan("config.yaml", gpu_memory="24GB"),
     "report": lambda: lora_tune.report("run"),
 }
@@ -228,6 +263,7 @@ API_CASES = [(c, t, f) for c, cmd in COMMANDS.items() for t in cmd.reads for f i
 
 @pytest.mark.parametrize("command,target,fault", API_CASES, ids=[f"{c}-{t}-{f}" for c, t, f in API_CASES])
 def test_a_faulty_file_through_the_api(command, target, fault, world, tmp_path, capsys, monkeypatch):
+    needs(command)
     root = in_copy(world, tmp_path)
     monkeypatch.chdir(root)
     apply(fault, resolve(root, target), f"api-{command}-{target}-{fault}".replace("/", "_").replace("*", "x"))
@@ -248,6 +284,8 @@ def test_a_faulty_file_through_the_api(command, target, fault, world, tmp_path, 
 OUTSIDE = {  # where each command writes when its inputs are read-only but its output is not
     "train": ("--output-dir", "new-run"),
     "merge": ("--output", "merged"),
+    "export": ("--output", "run.gguf"),
+    "eval": ("--output", "results.json"),
     "report": ("--output", "report.png"),
 }
 
@@ -255,6 +293,7 @@ OUTSIDE = {  # where each command writes when its inputs are read-only but its o
 @pytest.mark.parametrize("command", list(COMMANDS))
 @pytest.mark.parametrize("output", ["inside", "outside"])
 def test_a_read_only_disk(command, output, world, tmp_path, capsys, monkeypatch):
+    needs(command)
     if output == "outside" and command not in OUTSIDE:
         pytest.skip("writes nothing, or only into the read-only folder")
     with tmpfs(tmp_path / "ro", size="16m", read_only=True, fill=lambda disk: shutil.copytree(world, disk / "w", symlinks=True)) as disk:

@@ -16,14 +16,21 @@ import json
 import logging
 import math
 import os
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from lora_tune.after.merge.reading import latest_adapter, read_adapter
+from lora_tune.after.outputs import check_output, is_model, written_by_us
+from lora_tune.after.serving import read_config
 from lora_tune.engines import registry as engines
-from lora_tune.errors import UserError, did_you_mean
+from lora_tune.errors import UserError, did_you_mean, first_line
+from lora_tune.files import writable_folder
+from lora_tune.models import shards
 from lora_tune.models.aliases import resolve_base
 
 if TYPE_CHECKING:
@@ -60,6 +67,20 @@ def check_tasks(manager, tasks: list[str]) -> None:
             )
 
 
+def check_task_definitions(manager, tasks: list[str]) -> None:
+    """Every task built once (its YAML read, its data loaded) before any model is: a task YAML of
+    --include that lm-eval can't build (cut short, a field it refuses) is one line naming it, not an
+    error from inside lm-eval after the model loaded."""
+    from lm_eval.tasks import get_task_dict  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    with stderr_silenced(True):  # lm-eval's notes on building tasks
+        for task in tasks:
+            try:
+                get_task_dict([task], manager)
+            except Exception as e:  # noqa: BLE001 - lm-eval raises many types for a task it can't build
+                raise UserError(f"--tasks: lm-eval can't build the task {task} ({first_line(e)[:200]}); fix its YAML or its data") from None
+
+
 def metrics_of(results: dict) -> dict[str, dict[str, float]]:
     """lm-eval's {"results": {task: {"acc,none": v, "acc_stderr,none": e, "alias": ...}}} ->
     {task: {"acc": v, "acc_stderr": e}} (numbers only, filter suffix dropped when it is "none")."""
@@ -84,29 +105,59 @@ def run_tasks(
     num_fewshot: int | None = None,
     batch_size: int = 1,
     manager=None,
+    quiet: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Score an in-memory model (a PeftModel too) on lm-eval tasks: {task: {metric: value}}.
 
     The training-time hook for --eval-tasks calls this at each evaluation with the model being
     trained (in eval mode, under no_grad: lm-eval only runs forward passes)."""
     require_lm_eval()
-    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
 
     manager = manager or task_manager(include)
     check_tasks(manager, tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    results = simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-        verbosity="ERROR",
-    )
+    return evaluate(lm, tasks, limit, num_fewshot, manager, quiet)
+
+
+def evaluate(lm, tasks: list[str], limit, num_fewshot, manager, quiet: bool) -> dict[str, dict[str, float]]:
+    """lm-eval's simple_evaluate on a loaded model: {task: {metric: value}}. It records the git commit
+    of the working folder with `git describe`, which writes to our stderr: outside a repository git
+    says 'fatal: not a git repository' into the command's output (at every --eval-tasks evaluation).
+    `quiet` (no --verbose): the stderr file descriptor points at /dev/null for the call; lm-eval's own
+    logs are at ERROR already, and its failures arrive as exceptions."""
+    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    with stderr_silenced(quiet):
+        results = simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            task_manager=manager,
+            log_samples=False,
+            bootstrap_iters=0,
+            verbosity="ERROR",
+        )
     return metrics_of(results or {})
+
+
+@contextmanager
+def stderr_silenced(active: bool):
+    """File descriptor 2 (what child processes inherit) pointed at /dev/null while the block runs."""
+    if not active:
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def flat_metrics(scores: dict[str, dict[str, float]], prefix: str = "eval_tasks") -> dict[str, float]:
@@ -116,7 +167,6 @@ def flat_metrics(scores: dict[str, dict[str, float]], prefix: str = "eval_tasks"
 
 def _score_path(pretrained: str, peft_dir: str | None, cfg, manager) -> dict[str, dict[str, float]]:
     """lm-eval loads the model itself (with the adapter through peft when given)."""
-    from lm_eval import simple_evaluate  # noqa: PLC0415 - optional dependency (the [eval] extra)
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
 
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,29 +176,21 @@ def _score_path(pretrained: str, peft_dir: str | None, cfg, manager) -> dict[str
     lm = HFLM(
         pretrained=pretrained, peft=peft_dir, device=device, dtype=dtype, batch_size=cfg.batch_size, trust_remote_code=cfg.trust_remote_code
     )
-    results = simple_evaluate(
-        model=lm,
-        tasks=cfg.tasks,
-        limit=cfg.limit,
-        num_fewshot=cfg.num_fewshot,
-        task_manager=manager,
-        log_samples=False,
-        bootstrap_iters=0,
-        verbosity="ERROR",
-    )
-    return metrics_of(results or {})
+    return evaluate(lm, cfg.tasks, cfg.limit, cfg.num_fewshot, manager, not cfg.verbose)
 
 
 def run(cfg) -> dict:
     """`lora-tune eval SOURCE --tasks T1,T2 [--limit N] [--base-too]`: writes eval_results.json and
     prints base vs adapter side by side; returns what it wrote."""
     require_lm_eval()
-    source = Path(cfg.source).expanduser()
-    if not source.is_dir():
+    given = Path(cfg.source).expanduser()
+    if not given.is_dir():
         raise UserError(f"{cfg.source} does not exist; give a training run's --output-dir or a merged model folder")
+    source = latest_adapter(given)
     adapter_config = source / "adapter_config.json"
     if adapter_config.is_file():
-        base = cfg.base or json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        config, _ = read_adapter(source, "eval")  # a damaged adapter is one line here, not peft's error once the base is loaded
+        base = cfg.base or config.get("base_model_name_or_path")
         if not base:
             raise UserError(f"--base: {adapter_config} records no base; pass --base")
         base_path, peft_dir = resolve_base(base), str(source)
@@ -158,12 +200,23 @@ def run(cfg) -> dict:
         base_path, peft_dir = (resolve_base(cfg.base) if cfg.base else None), None
     else:
         raise UserError(f"{source} holds neither an adapter (adapter_config.json) nor a model (config.json)")
-    output = Path(cfg.output).expanduser() if cfg.output else source / RESULTS_FILE
+    if not cfg.output and is_model(given) and not written_by_us(given):  # a base (or a hub snapshot): nothing is written into it
+        raise UserError(f"--output: {given} is a model lora-tune did not write, and eval writes nothing into it; pass --output FILE.json")
+    local_base = {"base model": Path(base_path)} if base_path and Path(base_path).is_dir() else {}
+    output = check_output(cfg.output or given / RESULTS_FILE, "eval", folder=False, replaces=True, inputs=local_base, ours=is_results)
+    writable_folder(output.parent, "--output")
+    check_model_files(base_path if peft_dir else str(source), "--base" if peft_dir else "eval")
+    if cfg.base_too:
+        check_model_files(base_path, "--base")
     manager = task_manager(cfg.include)
     check_tasks(manager, cfg.tasks)
+    check_task_definitions(manager, cfg.tasks)
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     record: dict = {"source": str(source), "tasks": cfg.tasks, "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}}
+    shown = "" if cfg.verbose else " (lm-eval's progress bars: --verbose)"
+    what = ("the adapter" if peft_dir else str(source)) + (" and the base" if cfg.base_too else "")
+    log.info("eval: scoring %s on %s%s", what, ", ".join(cfg.tasks), shown)
     t0 = time.perf_counter()
     record["adapter" if peft_dir else "model"] = _score_path(base_path if peft_dir else str(source), peft_dir, cfg, manager)
     record["seconds"]["adapter" if peft_dir else "model"] = round(time.perf_counter() - t0, 2)
@@ -213,6 +266,28 @@ def table(record: dict) -> str:
     return "\n".join(lines)
 
 
+def check_model_files(folder: str, option: str) -> None:
+    """A local model's config.json and safetensors headers, read before lm-eval loads it (where a
+    damaged file is a library's error); a hub id's files are the hub's."""
+    path = Path(folder)
+    if not path.is_dir():
+        return
+    read_config(path / "config.json", option)
+    if shards.shard_files(path) is not None:
+        shards.read_headers(path)
+    elif os.path.lexists(path / shards.SINGLE):  # there, but not a file: a dangling link, a folder
+        shards.read_header(path / shards.SINGLE)
+
+
+def is_results(path: Path) -> bool:
+    """A results file `eval` wrote (the only kind it replaces in a run's folder)."""
+    try:
+        record = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "tasks" in record and ("adapter" in record or "model" in record)
+
+
 def read_results(run_dir: Path) -> dict | None:
     path = run_dir / RESULTS_FILE
     if not path.is_file():
@@ -235,9 +310,12 @@ def task_scorer(cfg: TrainConfig):
             "`lora-tune eval OUTPUT_DIR --tasks ...` after training"
         )
     require_lm_eval()
-    check_tasks(task_manager(cfg.eval_tasks_include), cfg.eval_tasks)
+    manager = task_manager(cfg.eval_tasks_include)
+    check_tasks(manager, cfg.eval_tasks)
+    check_task_definitions(manager, cfg.eval_tasks)
 
     def score(peft_model, tokenizer) -> dict[str, float]:
-        return flat_metrics(run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include))
+        scores = run_tasks(peft_model, tokenizer, cfg.eval_tasks, cfg.eval_tasks_limit, cfg.eval_tasks_include, quiet=not cfg.verbose)
+        return flat_metrics(scores)
 
     return score

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from lora_tune.after.evaluation import read_results, table
+from lora_tune.after.outputs import check_output
 from lora_tune.errors import UserError, first_line
 from lora_tune.training.metrics import read_records
 
@@ -44,16 +45,26 @@ def number(v) -> float:
         return math.nan
 
 
+def throughput(steps: list[dict]) -> str:
+    """Tokens over time, as everyone reads "tokens/s": the logged steps' tokens over their seconds (a
+    mean of per-step rates would let one fast step stand for many slow ones)."""
+    timed = [(number(r.get("tokens_per_s")), number(r.get("step_seconds"))) for r in steps]
+    timed = [(rate * seconds, seconds) for rate, seconds in timed if math.isfinite(rate) and math.isfinite(seconds) and seconds > 0]
+    seconds = sum(s for _, s in timed)
+    if not seconds:
+        return "tokens/s unknown (no step times in metrics.jsonl)"
+    done = sum(t for t, _ in timed)
+    return f"{done / seconds:,.0f} tokens/s ({done:,.0f} tokens in {seconds:,.1f} s of training steps)"
+
+
 def summary(rows: list[dict]) -> str:
     steps = [r for r in rows if "loss" in r]
     evals = [r for r in rows if "eval_loss" in r]
-    speeds = [number(r.get("tokens_per_s")) for r in steps[1:] or steps]  # the first step includes warm-up
-    speeds = [v for v in speeds if math.isfinite(v)] or [math.nan]
     peaks = [v for v in (number(r.get("peak_memory_bytes")) for r in steps) if math.isfinite(v)] or [math.nan]
     tokens = number(steps[-1].get("tokens_seen", 0))
     lines = [
         f"steps: {steps[-1].get('step')}; loss {number(steps[0]['loss']):.4f} -> {number(steps[-1]['loss']):.4f}",
-        f"tokens: {tokens:,.0f}; {sum(speeds) / len(speeds):,.0f} tokens/s on average; peak memory {max(peaks) / 2**30:.2f} GiB",
+        f"tokens: {tokens:,.0f}; {throughput(steps)}; peak memory {max(peaks) / 2**30:.2f} GiB",
     ]
     if evals:
         best = min(evals, key=lambda r: number(r["eval_loss"]) if math.isfinite(number(r["eval_loss"])) else math.inf)
@@ -201,16 +212,23 @@ def plot(rows: list[dict], png: Path, eval_results: dict | None = None) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def check_output(png: Path) -> None:
-    """A plot file we can write: not a folder or a link, in an existing folder, of a kind matplotlib writes."""
-    if png.is_dir() and not png.is_symlink():
-        raise UserError(f"report: --output {png} is a folder; give a file name such as {png / 'report.png'}")
-    if png.is_symlink():
-        raise UserError(f"report: --output {png} is a symbolic link; lora-tune never writes through links: give another file name")
+def check_plot_file(png: Path) -> Path:
+    """A plot file report may write (`outputs.check_output`: never through a link, never into a
+    checkpoint or a model, in a run's folder replacing only a plot), in an existing folder, of a
+    kind matplotlib writes."""
+    png = check_output(png, "report", folder=False, replaces=True, ours=is_plot, said=f"report: --output {png}")
     if not png.parent.is_dir():
         raise UserError(f"report: --output {png}: the folder {png.parent} does not exist")
     if not png.suffix:
         raise UserError(f"report: --output {png}: give a file name with its kind, such as report.png or report.pdf")
+    return png
+
+
+def is_plot(path: Path) -> bool:
+    """A file of a kind matplotlib writes (the only kind report replaces in a run's folder)."""
+    from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415 - optional dependency: the [report] extra
+
+    return path.suffix[1:].lower() in FigureCanvasBase.get_supported_filetypes()
 
 
 def plot_eval_results(ax, record: dict) -> None:
@@ -237,9 +255,9 @@ def plot_eval_results(ax, record: dict) -> None:
 
 def run(cfg) -> Path:
     run_dir = Path(cfg.run_dir).expanduser()
-    png = Path(cfg.output).expanduser() if cfg.output else run_dir / "report.png"
     rows = read_metrics(run_dir)
-    check_output(png)
+    pyplot()  # the one-line error when matplotlib is missing, before anything else is said
+    png = check_plot_file(Path(cfg.output) if cfg.output else run_dir / "report.png")
     eval_results = None
     if (run_dir / "eval_results.json").is_file():
         eval_results = read_results(run_dir)

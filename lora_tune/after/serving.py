@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_tune.after import vision
-from lora_tune.after.merge.reading import read_adapter
+from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.errors import UserError, first_line
 from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
@@ -32,9 +32,12 @@ EMBEDDING_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", 
 # Families whose LoRA a llama.cpp adapter GGUF can carry: the architectures `lora-tune export`
 # writes (lora_tune.after.export.gguf.FAMILIES) - an adapter GGUF must match its base's tensor layout.
 LLAMA_CPP_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3", "gpt2")
-# Ollama's ADAPTER takes safetensors (PEFT) adapters for these families only; others need a GGUF
-# adapter (docs/import.md, "Importing a fine tuned adapter from Safetensors weights").
-OLLAMA_SAFETENSORS_FAMILIES = ("llama", "mistral", "mixtral", "gemma", "gemma2")
+# Ollama's ADAPTER imports a safetensors (PEFT) adapter through its own converter (convert/convert.go,
+# ConvertAdapter): only onto a base whose GGUF architecture is llama (Llama, Mistral, Mixtral) or gemma2
+# ("unsupported architecture" otherwise); it reads `lora_alpha` as an unsigned integer (a JSON 16.0 fails
+# to parse) and writes one alpha, applied as alpha / r. Anything else goes as a GGUF adapter
+# (`export --format gguf-lora`, which folds each module's own scale into B) or as the merged model.
+OLLAMA_SAFETENSORS_FAMILIES = ("llama", "mistral", "mixtral", "gemma2")
 
 
 @dataclass
@@ -48,6 +51,9 @@ class AdapterFacts:
     target_modules: list[str] = field(default_factory=list)
     target_parameters: list[str] = field(default_factory=list)
     has_patterns: bool = False  # rank_pattern / alpha_pattern
+    alpha: float | int | None = None  # lora_alpha as adapter_config.json holds it (16 and 16.0 differ to Ollama)
+    rslora: bool = False
+    alpha_pattern: bool = False
     model_type: str = ""
     at_train_time: bool = False  # messages name flags instead of adapter fields
     # An image-text base: the modules outside its language model (vision tower, projector) the adapter
@@ -66,6 +72,9 @@ class AdapterFacts:
             target_modules=[targets] if isinstance(targets, str) else list(targets),
             target_parameters=list(config.get("target_parameters") or []),
             has_patterns=bool(config.get("rank_pattern") or config.get("alpha_pattern")),
+            alpha=config.get("lora_alpha"),
+            rslora=bool(config.get("use_rslora")),
+            alpha_pattern=bool(config.get("alpha_pattern")),
             model_type=model_type,
         )
 
@@ -161,36 +170,30 @@ def vllm_problems(facts: AdapterFacts) -> list[str]:
     return problems
 
 
-def llama_cpp_problems(facts: AdapterFacts) -> list[str]:
+def llama_cpp_problems(facts: AdapterFacts, merged_format: str = "gguf") -> list[str]:
     """A llama.cpp LoRA GGUF holds `.lora_a` / `.lora_b` pairs per weight and one alpha (llama.cpp's
-    convert_lora_to_gguf.py and llama-adapter.cpp): nothing else can travel in it."""
+    convert_lora_to_gguf.py and llama-adapter.cpp): nothing else can travel in it. The alternative is
+    the merged model, exported as `merged_format`."""
     problems = []
+    merged = f"export the merged model instead (`lora-tune export RUN_DIR --format {merged_format}`)"
     if facts.model_type not in LLAMA_CPP_FAMILIES:
         problems.append(
             f"{facts.model_type or 'this'} models have no llama.cpp LoRA export here (exported: "
             f"{', '.join(LLAMA_CPP_FAMILIES)}); merge, then serve the merged model"
         )
     if facts.dora:
-        problems.append(
-            "a llama.cpp LoRA adapter has no DoRA magnitudes; "
-            + ("drop --dora" if facts.at_train_time else "export the merged model instead (`lora-tune export RUN_DIR --format gguf`)")
-        )
+        problems.append("a llama.cpp LoRA adapter has no DoRA magnitudes; " + ("drop --dora" if facts.at_train_time else merged))
     if facts.modules_to_save:
-        problems.append(
-            f"a llama.cpp LoRA adapter can't carry modules_to_save ({', '.join(facts.modules_to_save)}); export the merged "
-            "model instead (`--format gguf`)"
-        )
+        problems.append(f"a llama.cpp LoRA adapter can't carry modules_to_save ({', '.join(facts.modules_to_save)}); {merged}")
     if facts.bias != "none":
-        problems.append("a llama.cpp LoRA adapter has no LoRA bias; export the merged model instead (`--format gguf`)")
+        problems.append(f"a llama.cpp LoRA adapter has no LoRA bias; {merged}")
     if facts.target_parameters:
         problems.append(
             f"a llama.cpp LoRA adapter can't carry fused expert tensors ({', '.join(facts.target_parameters)}); {_merge_then_serve(facts)}"
         )
     embedded = [t for t in facts.target_modules if t in EMBEDDING_TARGETS]
     if embedded:
-        problems.append(
-            f"LoRA on {', '.join(embedded)} is not exported as a llama.cpp adapter; export the merged model instead (`--format gguf`)"
-        )
+        problems.append(f"LoRA on {', '.join(embedded)} is not exported as a llama.cpp adapter; {merged}")
     # llama.cpp keeps an image-text model's vision tower and projector in a separate mmproj GGUF, which
     # takes no LoRA (llama-adapter.cpp applies adapters to the language model's tensors).
     if facts.vision_modules:
@@ -206,9 +209,24 @@ def llama_cpp_problems(facts: AdapterFacts) -> list[str]:
 
 
 def ollama_problems(facts: AdapterFacts) -> list[str]:
-    """Ollama's ADAPTER runs llama.cpp's LoRA: the same limits, plus which families it imports from
-    safetensors (for the others, `lora-tune export --format gguf-lora` makes the GGUF adapter)."""
-    return llama_cpp_problems(facts)
+    """Ollama's ADAPTER runs llama.cpp's LoRA: the same limits (a DoRA adapter has no adapter form
+    there), with the merged model as an Ollama folder (`export --format ollama`) the alternative."""
+    return llama_cpp_problems(facts, merged_format="ollama")
+
+
+def ollama_import_problems(facts: AdapterFacts) -> list[str]:
+    """Why Ollama's own import of this safetensors adapter (ADAPTER <folder>) would fail or apply it at
+    the wrong scale (see OLLAMA_SAFETENSORS_FAMILIES)."""
+    reasons = []
+    if facts.model_type not in OLLAMA_SAFETENSORS_FAMILIES:
+        reasons.append(f"Ollama imports safetensors adapters onto {', '.join(OLLAMA_SAFETENSORS_FAMILIES)} bases only")
+    if not isinstance(facts.alpha, int) or isinstance(facts.alpha, bool):
+        reasons.append(f"lora_alpha is {facts.alpha!r} in adapter_config.json, and Ollama's converter reads it as an unsigned integer")
+    if facts.rslora:
+        reasons.append("it is rsLoRA (scaled alpha / sqrt(r)) and Ollama applies alpha / r")
+    if facts.alpha_pattern:
+        reasons.append("alpha_pattern gives some modules their own alpha and Ollama applies one")
+    return reasons
 
 
 def problems_for(engine: str, facts: AdapterFacts) -> list[str]:
@@ -229,14 +247,16 @@ def how_to_serve(engine: str, facts: AdapterFacts, base: str, adapter_dir: str) 
             f"lora-tune export {adapter_dir} --format gguf-lora --output adapter.gguf, then llama-server -m BASE.gguf --lora adapter.gguf "
             "(BASE.gguf: `lora-tune export` of the base)"
         )
-    if facts.model_type in OLLAMA_SAFETENSORS_FAMILIES:
+    unfit = ollama_import_problems(facts)
+    if not unfit:
         return (
             f"a Modelfile with FROM <the base> and ADAPTER {adapter_dir} (Ollama imports safetensors adapters for this family), "
             "then `ollama create`"
         )
     return (
-        f"lora-tune export {adapter_dir} --format gguf-lora --output adapter.gguf, and a Modelfile with FROM <the base as GGUF> "
-        "and ADAPTER ./adapter.gguf"
+        f"lora-tune export {adapter_dir} --format gguf-lora --output adapter.gguf (each module's scale folded in), and a Modelfile "
+        f"with FROM <the base as GGUF> and ADAPTER ./adapter.gguf - not ADAPTER {adapter_dir}: {'; '.join(unfit)}. Or the merged "
+        f"model: lora-tune export {adapter_dir} --format ollama --output DIR"
     )
 
 
@@ -278,6 +298,7 @@ def run(cfg) -> ServingReport:
     folder = Path(cfg.source).expanduser()
     if folder.is_dir() and not (folder / "adapter_config.json").is_file() and (folder / "config.json").is_file():
         return check_merged(cfg.engine, folder)
+    folder = latest_adapter(folder)
     adapter_config, weights = read_adapter(folder)
     base = cfg.base or adapter_config.get("base_model_name_or_path") or ""
     base_config = config_of(base)

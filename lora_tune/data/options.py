@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from lora_tune.options import FREE, MATH, Options
 
@@ -95,3 +95,18 @@ class DataOptions(Options):
     @classmethod
     def _sources(cls, v):
         return [v] if isinstance(v, (str, dict)) else v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weights_once(cls, values):
+        """The mix's weights, resolved once: --data-weights over the file's data_weights (the flags
+        win when the config is built) over each source's own `weight:`, which is then dropped, so the
+        saved lora_tune_config.yaml states the mix the run uses."""
+        if not isinstance(values, dict) or values.get("data_weights") is None or values.get("data") is None:
+            return values
+        data = values["data"]
+        entries = [data] if isinstance(data, (str, dict)) else list(data)
+        if not any(isinstance(e, dict) and "weight" in e for e in entries):
+            return values
+        unweighted = [{k: v for k, v in e.items() if k != "weight"} if isinstance(e, dict) else e for e in entries]
+        return {**values, "data": unweighted}

@@ -176,6 +176,7 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
                 f"{source.option}: {source.label} changed while it was being read; run again once it is no longer being written"
             )
         fmt = formats.detect(raw.column_names, source.label, source.option)
+        formats.check_one_format(raw.data.table, fmt, source.label, source.option)
         fn = Tokenize(tokenizer, fmt.NAME, cfg, source.label, source.option, image_text, image_dir)
         ints = datasets.Sequence(datasets.Value("int32"))
         features = datasets.Features(
@@ -243,6 +244,7 @@ def tokenized_source(source: sources.Source, tokenizer, cfg, image_text=None):
             if isinstance(cause, UserError):
                 raise UserError(str(cause), cause.exit_code) from None
         if raised_reading_rows(e):
+            sources.check_utf8(files, source.option)  # pyarrow takes bytes that are not UTF-8 unchecked; their row fails here
             raise UserError(
                 f"{source.option}: the rows of {source.label} can't be read as columns ({first_line(e)[:160]}); give each column "
                 "one type in every row (e.g. text as strings, messages as lists of {role, content})"

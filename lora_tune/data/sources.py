@@ -9,6 +9,7 @@ tokenized cache's temporary build folder) and removed with it."""
 
 from __future__ import annotations
 
+import csv
 import errno
 import hashlib
 import json
@@ -16,7 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
+import pyarrow
+import pyarrow.parquet
 
+from lora_tune.data import formats
 from lora_tune.errors import TrainingStopped, UserError, first_line
 from lora_tune.models.aliases import check_hub_reachable
 
@@ -171,10 +175,13 @@ def load(source: Source, files: list[Path] | None, raw_dir: Path | None = None):
         full = no_room(e)
         if full is not None:
             raise full from None
+        check_utf8(files, source.option)
         for path in files or []:
             if SUFFIXES[path.suffix.lower()] == "json":
                 check_json_file(path, source.option)  # finds the broken line, if that is the cause
-        raise UserError(f"{source.option}: could not load {source.label}: {first_line(e)}") from None
+        if files and len(files) > 1:
+            check_same_columns(files, source)  # datasets can't put a folder's files of other columns in one table
+        raise UserError(f"{source.option}: could not load {source.label}: {first_line(root_cause(e))}") from None
     if len(ds) == 0:
         raise UserError(f"{source.option}: {source.label} is empty; it needs at least one sample")
     missing = [c for c in source.columns.values() if c not in ds.column_names]
@@ -214,3 +221,77 @@ def check_json_file(path: Path, option: str) -> None:
                 raise UserError(f"{option}: {path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from None
             if not isinstance(row, dict):
                 raise UserError(f'{option}: {path} line {number} is not a JSON object; each line must be one sample like {{"text": ...}}')
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """The error under the wrappers ('An error occurred while generating the dataset' says nothing)."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def check_utf8(files: list[Path] | None, option: str) -> None:
+    """JSON and CSV files are UTF-8 text. pyarrow reads bytes that are not into strings unchecked, and
+    the row holding them fails later, deep in datasets, naming nothing: the first such line, said."""
+    for path in files or []:
+        if SUFFIXES[path.suffix.lower()] not in ("json", "csv"):
+            continue
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(
+                        f"{option}: {path} line {number} is not UTF-8 text (byte 0x{line[e.start]:02x} at column {e.start + 1}); "
+                        "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                    ) from None
+
+
+def first_columns(path: Path) -> list[str] | None:
+    """The columns of a file's first row (a parquet file's schema, a CSV file's header); None when it
+    has none to read."""
+    kind = SUFFIXES[path.suffix.lower()]
+    if kind == "parquet":
+        return pyarrow.parquet.read_schema(path).names
+    with open(path, encoding="utf-8") as f:
+        if kind == "csv":
+            return next(csv.reader(f), None)
+        if path.suffix == ".json" and f.read(1 << 16).lstrip().startswith("["):
+            rows = json.loads(path.read_text(encoding="utf-8"))
+            return list(rows[0]) if rows and isinstance(rows[0], dict) else None
+        f.seek(0)
+        line = next((line for line in f if line.strip()), None)
+    row = json.loads(line) if line else None
+    return list(row) if isinstance(row, dict) else None
+
+
+def check_same_columns(files: list[Path], source: Source) -> None:
+    """A folder's files are one table to datasets: files of other columns (an alpaca file beside a
+    chat file) fail with 'An error occurred while generating the dataset'. Said with the files, and
+    their formats when those differ."""
+    seen = []
+    for path in files:
+        try:
+            columns = first_columns(path)
+        except (OSError, ValueError, pyarrow.ArrowException):  # a file broken otherwise: the caller's message says so
+            continue
+        if columns is not None:
+            seen.append((path, columns))
+    for (a, cols_a), (b, cols_b) in zip(seen, seen[1:]):
+        if set(cols_a) == set(cols_b):
+            continue
+        kinds = []
+        for columns in (cols_a, cols_b):
+            try:
+                kinds.append(formats.detect(columns, "", source.option).NAME)
+            except UserError:
+                kinds.append("no format")
+        if kinds[0] != kinds[1]:
+            raise UserError(
+                f"{source.option}: folder {source.path} mixes data formats: {a.name} is {kinds[0]} ({', '.join(cols_a)}), {b.name} "
+                f"is {kinds[1]} ({', '.join(cols_b)}); give each file as its own --data source"
+            )
+        raise UserError(
+            f"{source.option}: the files of folder {source.path} have other columns: {a.name} has {sorted(cols_a)}, {b.name} has "
+            f"{sorted(cols_b)}; give every file the same columns, or each file as its own --data source"
+        )

@@ -95,5 +95,8 @@ class LoraOptions(Options):
         return v
 
     @property
-    def lora_alpha(self) -> float:
-        return self.alpha if self.alpha is not None else 2.0 * self.rank
+    def lora_alpha(self) -> float | int:
+        """What peft records in adapter_config.json: an integral alpha as an integer, since readers
+        such as Ollama's converter parse `lora_alpha` as one and refuse 16.0."""
+        alpha = self.alpha if self.alpha is not None else 2 * self.rank
+        return int(alpha) if float(alpha).is_integer() else alpha

@@ -68,3 +68,5 @@ class RunInputs:
     # Image-text data: the base's processor (lora_tune.models.processors.ImageText), which builds each
     # micro-batch's pixel inputs; None when no training row has an image.
     image_text: object | None = None
+    # How a stopped run is continued, as its messages say it: the CLI's; the Python API names its call.
+    resume_how: str = "the same command plus --resume"

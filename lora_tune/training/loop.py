@@ -192,13 +192,16 @@ class TrainingLoop:
         except generation.GenerationError as e:  # vLLM stopped answering: one line, the last checkpoint kept
             good = ckpt.newest_complete(self.inputs.output_dir)
             kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
-            raise TrainingStopped(f"{e} at step {state.step + 1}; {kept}. {e.advice}", 1, "error") from None
+            raise TrainingStopped(
+                f"{e} at step {state.step + 1}; {kept}. {e.advice}, then continue with {self.inputs.resume_how}", 1, "error"
+            ) from None
         except RewardError as e:  # the user's reward function failed: said in one line, the last checkpoint kept
             good = ckpt.newest_complete(self.inputs.output_dir)
             kept = f"the last checkpoint is {good}" if good else "no checkpoint was written before it"
+            how = self.inputs.resume_how
             raise TrainingStopped(
-                f"{e} at step {state.step + 1}; {kept}. Fix the function and continue with --resume --allow-config-change (the fixed "
-                "function scores from the first resumed step)",
+                f"{e} at step {state.step + 1}; {kept}. Fix the function and continue with {how}, allowing the change "
+                "(--allow-config-change; the fixed function scores from the first resumed step)",
                 1,
                 "error",
             ) from None
@@ -264,7 +267,7 @@ class TrainingLoop:
             signum = self.stop_signal or signal.SIGTERM
             raise TrainingStopped(
                 f"stopped by {signal.Signals(signum).name} after step {state.step}; checkpoint saved to {path}. "
-                "Continue with the same command plus --resume",
+                f"Continue with {self.inputs.resume_how}",
                 EXIT_SIGNAL[signum],
             )
 
@@ -303,7 +306,8 @@ class TrainingLoop:
         path = self.save_checkpoint() if self.state.step > 0 else None
         lines = [f"out of memory at step {self.state.step + 1} on {device}."]
         lines += self.inputs.out_of_memory_advice
-        lines.append(f"checkpoint saved to {path}; continue with --resume" if path else "no step had completed, so nothing was saved")
+        kept = f"checkpoint saved to {path}; continue with {self.inputs.resume_how}"
+        lines.append(kept if path else "no step had completed, so nothing was saved")
         raise TrainingStopped("\n".join(lines), 1, "error")
 
     def report_memory(self, when: str) -> None:
@@ -374,7 +378,8 @@ class TrainingLoop:
             good = ckpt.newest_complete(output_dir)
             kept = f"{good.name} is intact" if good else "no earlier checkpoint exists"
             raise TrainingStopped(
-                f"could not write checkpoint-{step} in {output_dir} ({e.strerror or e}); {kept}. Free space and rerun with --resume",
+                f"could not write checkpoint-{step} in {output_dir} ({e.strerror or e}); {kept}. Free space and continue with "
+                f"{self.inputs.resume_how}",
                 1,
                 "error",
             ) from None
@@ -417,7 +422,7 @@ class TrainingLoop:
         except OSError as e:
             raise TrainingStopped(
                 f"could not write the final adapter to {output_dir} ({e.strerror or e}); checkpoint-{self.state.step} holds it. "
-                "Free space and rerun with --resume",
+                f"Free space and continue with {self.inputs.resume_how}",
                 1,
                 "error",
             ) from None

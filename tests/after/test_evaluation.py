@@ -4,6 +4,7 @@ it, results in eval_results.json, the report's PNG and the API; the in-memory ho
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,36 @@ def test_eval_tasks_are_checked_before_loading(run_and_tasks, tiny_model, tmp_pa
     assert code == 2 and "tiny_ad" in single_error_line(err) and not (tmp_path / "a").exists()
     code, _, err = run_cli(fast_train_args(tiny_model, data, tmp_path / "b", eval_tasks=["tiny_add"], zero=2), capsys)
     assert code == 2 and "--eval-tasks scores the model in one process" in single_error_line(err)
+
+
+def test_eval_outside_a_git_repository_prints_no_git_error(run_and_tasks, tmp_path, capfd, monkeypatch):
+    """lm-eval runs `git describe` with our stderr: outside a repository every eval (and every
+    --eval-tasks evaluation) printed "fatal: not a git repository". --verbose leaves it be."""
+    run, tasks = run_and_tasks
+    monkeypatch.chdir(tmp_path)  # not a repository (the suite runs inside one)
+    for verbose, expected in ((False, False), (True, True)):
+        argv = ["eval", run, "--tasks", "tiny_add", "--include", tasks, "--limit", "2", "--output", tmp_path / "r.json"]
+        assert main([str(a) for a in argv] + (["--verbose"] if verbose else [])) == 0
+        assert ("fatal: not a git repository" in capfd.readouterr().err) == expected
+
+
+def test_eval_of_a_damaged_adapter_config_is_one_line(run_and_tasks, tmp_path, capsys):
+    run, tasks = run_and_tasks
+    broken = tmp_path / "broken"
+    shutil.copytree(run, broken)
+    (broken / "adapter_config.json").write_bytes(b"\xff\xfe{garbage")
+    code, _, err = run_cli(["eval", broken, "--tasks", "tiny_add", "--include", tasks], capsys)
+    assert code == 2 and f"eval: {broken} is unreadable or truncated (Expecting value" in single_error_line(err)
+
+
+def test_eval_of_a_base_model_folder_asks_for_an_output(run_and_tasks, tiny_model, tmp_path, capsys):
+    """Its default, SOURCE/eval_results.json, would write into a model lora-tune did not write."""
+    _, tasks = run_and_tasks
+    before = sorted(p.name for p in tiny_model.iterdir())
+    code, _, err = run_cli(["eval", tiny_model, "--tasks", "tiny_add", "--include", tasks, "--limit", "2"], capsys)
+    assert code == 2 and "eval writes nothing into it; pass --output FILE.json" in single_error_line(err)
+    assert sorted(p.name for p in tiny_model.iterdir()) == before
+    code, out, err = run_cli(
+        ["eval", tiny_model, "--tasks", "tiny_add", "--include", tasks, "--limit", "2", "--output", tmp_path / "b.json"], capsys
+    )
+    assert code == 0 and json.loads((tmp_path / "b.json").read_text())["limit"] == 2, err

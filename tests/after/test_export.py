@@ -14,10 +14,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma2
 
 import lora_tune
 from lora_tune.after.export import gguf as gguf_format
-from lora_tune.after.export.gguf_check import FIXED_TEXT, fixed_prompts, gguf_logits, reading_config
+from lora_tune.after.export.gguf_check import FIXED_TEXT, RoundTrip, compare, fixed_prompts, gguf_logits, reading_config
 from lora_tune.after.export.gguf_lora import read_adapter_gguf
 from lora_tune.after.export.ollama import CHECK_CONVERSATION, predict, render, turn_pieces
 from lora_tune.cli import main
+from lora_tune.errors import UserError
 from lora_tune.models.tiny.model import _CORPUS
 
 from families import FAMILIES, build_family
@@ -101,6 +102,34 @@ def test_every_exported_family_round_trips(family, quant, trained, tmp_path, cap
     tokenizer = AutoTokenizer.from_pretrained(source)
     rebuilt = AutoTokenizer.from_pretrained(out.parent, gguf_file=out.name)
     assert rebuilt(FIXED_TEXT, add_special_tokens=False)["input_ids"] == tokenizer(FIXED_TEXT, add_special_tokens=False)["input_ids"]
+
+
+def test_q8_0_of_a_near_flat_model_is_checked_where_the_model_is_confident(tiny_model, tmp_path, capsys):
+    """The random tiny Llama's logits are near-flat: q8_0's rounding flips near-ties, and greedy agreement
+    over every position was 98.3% < 99%, a false refusal (issue 52). Where the model is confident, q8_0
+    agrees on every position."""
+    result = lora_tune.export(tiny_model, output=str(tmp_path / "flat.gguf"), quant="q8_0")
+    assert result.greedy_agreement == pytest.approx(0.983, abs=0.002) and result.greedy_agreement < 0.99
+    assert result.confident_agreement == 1.0 and result.confident_positions == 174
+    assert result.max_rel_logit_diff < 3e-2 and (tmp_path / "flat.gguf").read_bytes()[:4] == b"GGUF"
+
+
+def test_a_q8_0_flip_where_the_model_is_confident_is_refused_naming_no_verify():
+    want = torch.zeros(1, 100, 8)
+    want[0, :, 0] = 10.0  # top token 0, leading by 10: confident everywhere
+    want[0, :50, 1] = 9.99  # ... but at the first 50 positions a near-tie with token 1
+    want[0, 60, 1] = 9.7  # a lead of 0.3 (3% of the largest logit): confident
+    near_tie_flips = want.clone()
+    near_tie_flips[0, :3, 1] = 10.01
+    result = RoundTrip(1)
+    compare(near_tie_flips, want, "q8_0", result)
+    assert result.greedy_agreement == pytest.approx(0.97) and result.confident_positions == 50 and result.confident_agreement == 1.0
+    confident_flip = want.clone()
+    confident_flip[0, 60, 1] = 10.1  # drift 0.04 relative: within q8_0's tolerance, but a confident position flips
+    with pytest.raises(UserError) as refused:
+        compare(confident_flip, want, "q8_0", RoundTrip(1))
+    assert "on 98.0% of the 50 positions where the merged model is confident" in str(refused.value)
+    assert str(refused.value).endswith("--no-verify writes the file without this check")
 
 
 def test_bf16_round_trip_and_file_types(trained, tmp_path, capsys):

@@ -151,9 +151,16 @@ def test_overwrite_replaces_only_when_asked(adapters, tmp_path, capsys):
     code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out], capsys)
     assert code == 2 and "--overwrite" in single_error_line(err)
     assert (out / "keep.txt").read_text() == "user data"
+    # --overwrite replaces only a folder merge itself wrote: never the user's own (issue 52).
+    code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--overwrite"], capsys)
+    assert code == 2 and "lora-tune did not write it" in single_error_line(err)
+    assert (out / "keep.txt").read_text() == "user data"
+    (out / "keep.txt").unlink()
+    assert run_cli(["merge", "--adapter", adapters["fp32"], "--output", out], capsys)[0] == 0
+    (out / "model.safetensors").write_bytes(b"stale")
     code, _, err = run_cli(["merge", "--adapter", adapters["fp32"], "--output", out, "--overwrite"], capsys)
     assert code == 0, err
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").read_bytes() != b"stale" and (out / "model.safetensors").stat().st_size > 1000
 
 
 def test_modules_to_save_and_rank_pattern_follow_peft(tiny_model, tmp_path, capsys):
@@ -334,3 +341,39 @@ def test_a_merge_killed_outright_leaves_a_folder_the_next_merge_removes(inputs, 
     code, _, err = run_cli(["merge", "--adapter", inputs / "adapter", "--base", inputs / "base", "--output", tmp_path / "m"], capsys)
     assert code == 0, err
     assert not dead.exists() and live.exists() and (tmp_path / "m" / "model.safetensors").is_file()
+
+
+def interrupted(run: Path, into: Path) -> Path:
+    """The folder a run leaves when it is stopped (Ctrl-C, a signal) after its last checkpoint: the
+    checkpoints, its config and metrics, but no final adapter and no tokenizer (written at the end)."""
+    final = ("adapter_config.json", "adapter_model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    shutil.copytree(run, into, ignore=lambda folder, names: [n for n in names if n in final] if Path(folder) == run else [])
+    assert (into / "checkpoint-3" / "COMPLETE").is_file() and not (into / "adapter_config.json").exists()
+    return into
+
+
+def test_an_interrupted_run_is_merged_checked_and_exported_from_its_latest_checkpoint(adapters, tmp_path, capsys):
+    """merge --adapter RUN, check-serving RUN and export RUN said 'not an adapter folder' about a run's
+    own folder after Ctrl-C (issue 52): they take its newest complete checkpoint, saying so."""
+    run = interrupted(adapters["fp32"], tmp_path / "stopped")
+    code, _, err = run_cli(["merge", "--adapter", run, "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert f"using its latest complete checkpoint, {run / 'checkpoint-3'}" in err
+    # checkpoint-3 is the finished run's last step: the same adapter, so the same merged weights
+    assert run_cli(["merge", "--adapter", adapters["fp32"], "--output", tmp_path / "finished", "--dtype", "fp32"], capsys)[0] == 0
+    assert_equal = torch.testing.assert_close
+    for name, tensor in load(tmp_path / "finished" / "model.safetensors").items():
+        assert_equal(load(tmp_path / "merged" / "model.safetensors")[name], tensor, rtol=0, atol=0)
+    code, out, err = run_cli(["check-serving", run, "--engine", "vllm"], capsys)
+    assert code == 0 and f"adapter={run / 'checkpoint-3'}" in out, err
+    code, _, err = run_cli(["export", run, "--output", tmp_path / "stopped.gguf", "--no-verify"], capsys)
+    assert code == 0 and (tmp_path / "stopped.gguf").read_bytes()[:4] == b"GGUF", err
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_refused_naming_resume(adapters, tmp_path, capsys):
+    run = tmp_path / "early"
+    run.mkdir()
+    shutil.copy2(adapters["fp32"] / "lora_tune_config.yaml", run)
+    code, _, err = run_cli(["merge", "--adapter", run, "--output", tmp_path / "merged"], capsys)
+    assert code == 2 and "stopped before its first checkpoint" in single_error_line(err) and "--resume" in err
+    assert not (tmp_path / "merged").exists()

@@ -14,18 +14,36 @@ from lora_tune.notebook import LivePlot
 
 from helpers import run_cli, single_error_line, tmpfs, tree_digest
 
-ROWS = [
-    {"step": 1, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 100.0, "peak_memory_bytes": 2**30, "tokens_seen": 100},
-    {"step": 2, "loss": "nan", "lr": 2e-4, "tokens_per_s": 300.0, "peak_memory_bytes": 2**31, "tokens_seen": 200, "skipped": True},
+ROWS = [  # 100 tokens a step, in 1 s, 1/3 s and 1/5 s
+    {"step": 1, "loss": 3.0, "lr": 1e-4, "tokens_per_s": 100.0, "peak_memory_bytes": 2**30, "tokens_seen": 100, "step_seconds": 1.0},
+    {
+        "step": 2,
+        "loss": "nan",
+        "lr": 2e-4,
+        "tokens_per_s": 300.0,
+        "peak_memory_bytes": 2**31,
+        "tokens_seen": 200,
+        "step_seconds": 1 / 3,
+        "skipped": True,
+    },
     {"step": 2, "eval_loss": 2.5, "eval_ppl": 12.18},
-    {"step": 3, "loss": 2.0, "lr": 2e-4, "tokens_per_s": 500.0, "peak_memory_bytes": 2**31, "tokens_seen": 300},
+    {"step": 3, "loss": 2.0, "lr": 2e-4, "tokens_per_s": 500.0, "peak_memory_bytes": 2**31, "tokens_seen": 300, "step_seconds": 0.2},
 ]
 
 
 def test_summary_states_the_run_in_numbers():
     text = summary(ROWS)
-    assert "steps: 3; loss 3.0000 -> 2.0000" in text and "400 tokens/s on average" in text and "peak memory 2.00 GiB" in text
+    assert "steps: 3; loss 3.0000 -> 2.0000" in text and "peak memory 2.00 GiB" in text
+    assert "196 tokens/s (300 tokens in 1.5 s of training steps)" in text  # 300 / (1 + 1/3 + 1/5)
     assert "eval loss: last 2.5000 (perplexity 12.18); best 2.5000 at step 2" in text and "skipped steps (NaN/inf): 1" in text
+
+
+def test_throughput_is_tokens_over_time_not_a_mean_of_rates():
+    """The issue's run: steps at 44, 44 and 3,792 tokens/s were reported as 1,918 tokens/s (the mean of
+    the last two rates); 360 tokens in about 5.5 s is 66."""
+    rows = [{"step": i + 1, "loss": 1.0, "tokens_per_s": rate, "step_seconds": 120 / rate} for i, rate in enumerate((44.0, 44.0, 3792.0))]
+    assert "tokens: 0; 66 tokens/s (360 tokens in 5.5 s of training steps)" in summary(rows)
+    assert "tokens/s unknown (no step times in metrics.jsonl)" in summary([{"step": 1, "loss": 1.0, "tokens_per_s": 50.0}])
 
 
 def test_report_writes_the_png(tmp_path, capsys):

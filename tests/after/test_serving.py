@@ -85,7 +85,9 @@ def test_a_trained_run_serves_everywhere(tiny_model, data_files, tmp_path, capsy
     for engine in ("vllm", "llama.cpp", "ollama"):
         code, out, err = run_cli(["check-serving", run, "--engine", engine], capsys)
         assert code == 0 and "this adapter serves" in out, (engine, err)
-    assert "ADAPTER" in out  # ollama: a llama-family adapter imports from safetensors
+    assert f"ADAPTER {run} (Ollama imports" in out  # ollama: a llama-family adapter imports from safetensors
+    # ... which Ollama's converter can only read with an integral alpha written as an integer (issue 52)
+    assert '"lora_alpha": 8,' in (run / "adapter_config.json").read_text()
 
 
 @pytest.mark.parametrize(
@@ -115,6 +117,31 @@ def test_ollama_names_the_gguf_route_for_families_it_does_not_import(tmp_path, c
     qwen = build_family("qwen2", tmp_path / "qwen2")
     code, out, _ = run_cli(["check-serving", write_adapter(tmp_path / "a", qwen), "--engine", "ollama"], capsys)
     assert code == 0 and "--format gguf-lora" in out
+
+
+OLLAMA_IMPORT = [
+    (dict(lora_alpha=16.0), "lora_alpha is 16.0 in adapter_config.json, and Ollama's converter reads it as an unsigned integer"),
+    (dict(use_rslora=True), "it is rsLoRA (scaled alpha / sqrt(r)) and Ollama applies alpha / r"),
+    (dict(alpha_pattern={"v_proj": 32}), "alpha_pattern gives some modules their own alpha"),
+]
+
+
+@pytest.mark.parametrize("config,reason", OLLAMA_IMPORT, ids=["float alpha", "rslora", "alpha_pattern"])
+def test_ollama_adapter_import_follows_its_converter(config, reason, tiny_model, tmp_path, capsys):
+    """check-serving approved Ollama's ADAPTER <folder> for adapters its converter can't read (lora_alpha
+    16.0) or applies at the wrong scale (alpha / r for rsLoRA): those go as a GGUF adapter, scale folded."""
+    adapter = write_adapter(tmp_path / "a", tiny_model, **config)
+    code, out, err = run_cli(["check-serving", adapter, "--engine", "ollama"], capsys)
+    assert code == 0, err
+    assert "--format gguf-lora --output adapter.gguf (each module's scale folded in)" in out and f"not ADAPTER {adapter}: {reason}" in out
+    assert f"lora-tune export {adapter} --format ollama --output DIR" in out
+    code, out, _ = run_cli(["check-serving", write_adapter(tmp_path / "plain", tiny_model), "--engine", "ollama"], capsys)
+    assert code == 0 and f"ADAPTER {tmp_path / 'plain'} (Ollama imports safetensors adapters for this family)" in out
+
+
+def test_ollama_refuses_dora_naming_the_merged_ollama_export(tiny_model, tmp_path, capsys):
+    code, _, err = run_cli(["check-serving", write_adapter(tmp_path / "a", tiny_model, use_dora=True), "--engine", "ollama"], capsys)
+    assert code == 2 and "no DoRA magnitudes; export the merged model instead (`lora-tune export RUN_DIR --format ollama`)" in err
 
 
 def test_serve_with_refuses_options_before_training(tiny_model):

@@ -8,13 +8,14 @@ import pytest
 
 from lora_tune.data.formats import detect
 from lora_tune.data.formats.alpaca import NO_INPUT as ALPACA_NO_INPUT
-from lora_tune.data.prepare import Sample
+from lora_tune.data.prepare import Sample, prepare_data
 from lora_tune.data.tokenize import KEPT
 from lora_tune.errors import UserError
 from lora_tune.models.head import IGNORE
 from lora_tune.models.loading import load_tokenizer
 
-from helpers import tokenize_one, tokenize_rows, trained_spans
+from helpers import ALPACA, data_config, tokenize_one, tokenize_rows, trained_spans, write_jsonl
+from helpers import CHAT as CHAT_ROWS
 
 
 def test_alpaca_labels_mask_exactly_the_prompt_and_keep_eos(tokenizer):
@@ -252,3 +253,15 @@ def test_kto_rows_carry_their_label_and_a_kl_sequence_of_the_previous_rows_answe
     assert tokenizer.decode(own[0], skip_special_tokens=True) == "Q2 two"
     assert tokenizer.decode(kl[0], skip_special_tokens=True) == "Q2 one"  # TRL's rotation: the previous row's answer
     assert tokenizer.decode(sequences_of(first)[1][0], skip_special_tokens=True) == "Q1 two"  # the first takes the last's
+
+
+def test_rows_of_two_formats_in_one_file_are_named_with_the_first_row_of_each(tmp_path, tokenizer):
+    """Alpaca rows then chat rows in one file loaded as one table with every column, detected as chat, and
+    the first alpaca row was refused with "'messages' must be a non-empty list" (issue 52)."""
+    path = write_jsonl(tmp_path / "mixed.jsonl", ALPACA[:3] + CHAT_ROWS[:2])
+    with pytest.raises(UserError) as refused:
+        prepare_data(data_config(path), tokenizer)
+    assert str(refused.value) == (
+        f"--data: {path} mixes data formats: alpaca rows (instruction, output) from row 1, messages rows (messages) from row 4; "
+        "a source holds one format: put each in its own file and give them all to --data"
+    )

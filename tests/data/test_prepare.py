@@ -6,11 +6,14 @@ import json
 import os
 
 import pytest
+import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lora_tune.config import TrainConfig
 from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
+from lora_tune.options import build_config
 
 from helpers import data_config, write_jsonl
 
@@ -44,6 +47,27 @@ def test_sources_mix_in_their_weights_deterministically(tmp_path, tokenizer):
     assert prepare_data(data_config([str(a), str(b)], data_weights=[1.0, 3.0]), tokenizer).fingerprint != mixed.fingerprint
     with pytest.raises(UserError, match="2 weights for 1 sources"):
         prepare_data(data_config([str(a)], data_weights=[1.0, 2.0]), tokenizer)
+
+
+@pytest.mark.parametrize("where", ["--data-weights", "data_weights: in the file"])
+def test_data_weights_win_over_each_source_s_weight_and_the_saved_config_says_so(where, tmp_path, tokenizer):
+    """Sources with `weight: 3` / `weight: 1` in YAML and --data-weights 1 1 (or data_weights: [1, 1] in
+    the same file) mixed 3:1 while lora_tune_config.yaml recorded [1.0, 1.0] (issue 52)."""
+    a = write_jsonl(tmp_path / "a.jsonl", [{"text": f"alpha {i}"} for i in range(40)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"text": f"beta {i}"} for i in range(40)])
+    file = {"base": "tiny-llama", "output_dir": "out", "data": [{"path": str(a), "weight": 3}, {"path": str(b), "weight": 1}]}
+    flags = {"data_weights": [1.0, 1.0]}
+    cfg = build_config(TrainConfig, file, flags) if where == "--data-weights" else build_config(TrainConfig, {**file, **flags}, {})
+    saved = yaml.safe_load(yaml.safe_dump(cfg.model_dump()))  # what the recipe writes as lora_tune_config.yaml
+    assert saved["data_weights"] == [1.0, 1.0] and saved["data"] == [{"path": str(a)}, {"path": str(b)}]
+    mixed = prepare_data(cfg, tokenizer)
+    alpha = sum("alpha" in tokenizer.decode(s.input_ids) for s in mixed.train)
+    assert (len(mixed.train), alpha) == (80, 40) and "40 in the mix (weight 1.0)" in mixed.per_source[0]
+    per_source = build_config(TrainConfig, file, {})  # no data_weights anywhere: each source's own weight
+    assert (
+        per_source.data_weights is None
+        and sum("alpha" in tokenizer.decode(s.input_ids) for s in prepare_data(per_source, tokenizer).train) == 60
+    )
 
 
 # --- any rows at all: the data stage answers with samples or one UserError, nothing else -------------------

@@ -9,7 +9,7 @@ import pytest
 from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
 
-from helpers import data_config, write_jsonl
+from helpers import ALPACA, CHAT, data_config, write_jsonl
 
 
 def test_column_mapping_renames_for_any_format(tmp_path, tokenizer):
@@ -55,3 +55,27 @@ def test_a_bad_row_names_the_source_and_the_row(tmp_path, tokenizer):
     )
     with pytest.raises(UserError, match=r"--data .*bad.jsonl: row 2: conversations\[0\] is from 'narrator'"):
         prepare_data(data_config(path), tokenizer)
+
+
+def test_a_folder_of_two_formats_names_its_files_and_their_formats(tmp_path, tokenizer):
+    """alpaca.jsonl beside chat.jsonl: "could not load DIR: An error occurred while generating the dataset"."""
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "alpaca.jsonl", ALPACA)
+    write_jsonl(tmp_path / "d" / "chat.jsonl", CHAT)
+    with pytest.raises(UserError) as refused:
+        prepare_data(data_config(tmp_path / "d"), tokenizer)
+    assert str(refused.value) == (
+        f"--data: folder {tmp_path / 'd'} mixes data formats: alpaca.jsonl is alpaca (instruction, input, output), chat.jsonl is "
+        "messages (messages); give each file as its own --data source"
+    )
+
+
+def test_a_byte_that_is_not_utf8_is_named_with_its_file_and_line(tmp_path, tokenizer):
+    """A Latin-1 byte loaded unchecked and failed as "mixed column types", naming no row."""
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9 au lait"}\n{"text": "fine too"}\n')
+    with pytest.raises(UserError) as refused:
+        prepare_data(data_config(path), tokenizer)
+    assert str(refused.value) == (
+        f"--data: {path} line 2 is not UTF-8 text (byte 0xe9 at column 14); save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+    )

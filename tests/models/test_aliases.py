@@ -122,3 +122,8 @@ def test_models_command_lists_every_alias_with_its_size(capsys, tiny_model):
         assert rows[alias].endswith("B") and float(rows[alias][:-1]) == pytest.approx(PUBLISHED[alias], rel=0.002)
     tiny = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_model)).parameters())
     assert rows["tiny-llama"] == f"{tiny / 1e6:.2f}M"
+    # a table: every hub id starts under "hub id", every size ends under "params", long aliases too
+    header, *lines = out.splitlines()
+    hub_at, params_end = header.index("hub id"), header.index("params") + len("params")
+    assert {line.index(line.split()[1]) for line in lines} == {hub_at}
+    assert {line.index(line.split()[2]) + len(line.split()[2]) for line in lines} == {params_end}

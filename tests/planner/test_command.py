@@ -3,6 +3,7 @@ README's tables and the GPU benchmark script are what the planner computes."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -18,6 +19,18 @@ def test_plan_accepts_a_training_config(capsys):
     code, out, err = run_cli(["plan", "--config", ROOT / "configs" / "llama-70b-qlora.yaml", "--gpu-memory", "a100-80"], capsys)
     assert code == 0, err
     assert "setup: 4bit, rank 16" in out and "fits in 79.2 GiB" in out
+
+
+def test_a_training_config_s_nproc_is_the_plan_s_gpu_count(capsys):
+    """`plan` of a config with nproc: 4 and ZeRO-3 planned one GPU holding the whole model (--gpus
+    defaulted to 1 and won over --nproc)."""
+    plan = "plan --base llama-70b --precision bf16 --zero 3 --gpu-memory h100-80 --json".split()
+    per_device = {}
+    for extra in ([], ["--nproc", "4"], ["--gpus", "4"]):
+        code, out, err = run_cli([*plan, *extra], capsys)
+        assert code == 0, err
+        per_device[" ".join(extra)] = json.loads(out)["per_device"]["weights_bytes"]
+    assert per_device == {"": 142_818_689_024, "--nproc 4": 36_988_129_280, "--gpus 4": 36_988_129_280}  # ZeRO-3 over 4 GPUs
 
 
 @pytest.mark.parametrize(

@@ -12,16 +12,16 @@ then renamed into place, so a crash or a failed check leaves nothing that looks 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
 from lora_tune.after.export import gguf as gguf_format
 from lora_tune.after.export import gguf_check, gguf_lora, image_text, ollama
-from lora_tune.after.export.files import Source, check_output, open_source, put_in_place
+from lora_tune.after.export.files import Source, check_format, is_gguf, open_source, put_in_place, staged
 from lora_tune.after.options import ExportConfig
+from lora_tune.after.outputs import check_output, write_mark
 from lora_tune.errors import UserError
+from lora_tune.files import writable_folder
 
 log = logging.getLogger("lora_tune")
 
@@ -33,8 +33,15 @@ def run(cfg: ExportConfig):
     except ImportError:
         raise UserError('export: the gguf package is missing; pip install "lora-tune[export]" (or pip install gguf)') from None
     out = Path(cfg.output).expanduser()
-    check_output(out, cfg.format, cfg.overwrite)
+    check_format(out, cfg.format)
     source = open_source(cfg)
+    try:  # what export reads is never written, held or written into
+        inputs = {"source": Path(cfg.source).expanduser(), **({"base model": source.base} if source.base else {})}
+        check_output(out, "export", folder=cfg.format == "ollama", overwrite=cfg.overwrite, inputs=inputs, ours=is_gguf)
+        writable_folder(out if cfg.format == "ollama" else out.parent, "--output")
+    except UserError:
+        source.close()
+        raise
     if cfg.format == "gguf-lora":
         return gguf_lora.run(cfg, source, out)
     if source.produce is None:
@@ -48,10 +55,7 @@ def run(cfg: ExportConfig):
     name = f"{source.config.get('model_type', 'model')}-{source.folder.name}"
     if family.general_name_hint and family.general_name_hint not in name.lower():
         name = f"{family.general_name_hint}-{name}"
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out) as tmp:
         gguf_path = tmp / "model.gguf"
         t0 = time.perf_counter()
         gguf_format.write(
@@ -78,21 +82,11 @@ def run(cfg: ExportConfig):
             ollama.write_modelfile(tmp, source.tokenizer_dir, model.config, "model.gguf")
             if cfg.verify:
                 ollama.check_modelfile(tmp / "Modelfile", source.tokenizer_dir)
+            write_mark(tmp, "export", format=cfg.format, source=source.folder, quant=cfg.quant)  # a later --overwrite may replace it
             put_in_place(tmp, out)
-            result.path = out
         else:
             put_in_place(gguf_path, out)
-            shutil.rmtree(tmp, ignore_errors=True)
-            result.path = out
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise UserError(
-            f"--output: could not write {out} ({e.strerror or e}); nothing was left behind. Free space or choose another --output",
-            exit_code=1,
-        ) from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        result.path = out
     log.info("exported %s to %s", cfg.format, out)
     return result
 
@@ -127,11 +121,17 @@ def verify(path: Path, source: Source, config: dict, family, planned, cfg: Expor
         log.info("verify: %s", result.notes[-1])
     got = gguf_check.gguf_logits(path, ids, reading)
     gguf_check.compare(got, want, cfg.quant, result)
+    confident = (
+        f" ({100 * result.confident_agreement:.2f}% at the {result.confident_positions} positions where the merged model is confident)"
+        if result.confident_positions
+        else ""
+    )
     log.info(
         "verify: logits through transformers' GGUF loader vs the merged model: max diff %.2e (relative %.2e), greedy "
-        "agreement %.2f%%, tokenizer ids equal",
+        "agreement %.2f%%%s, tokenizer ids equal",
         result.max_abs_logit_diff,
         result.max_rel_logit_diff,
         100 * result.greedy_agreement,
+        confident,
     )
     return result

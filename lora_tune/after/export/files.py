@@ -3,11 +3,10 @@ folder), reference logits to verify against, and the output put in place atomica
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,8 +15,11 @@ from peft import PeftModel
 from transformers.utils import logging as hf_logging
 
 from lora_tune.after.merge import applying, reading, writing
+from lora_tune.after.merge.reading import latest_adapter, tokenizer_folder
 from lora_tune.after.options import ExportConfig
+from lora_tune.after.serving import read_config
 from lora_tune.errors import UserError
+from lora_tune.files import remove_tree
 from lora_tune.models import shards
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import auto_class
@@ -37,6 +39,7 @@ class Source:
     adapter_dir: Path | None = None
     adapter_config: dict = field(default_factory=dict)
     close: Callable = lambda: None
+    base: Path | None = None  # a run's base folder
 
     @property
     def n_params(self) -> int:
@@ -49,7 +52,7 @@ class Source:
 
 def open_source(cfg: ExportConfig) -> Source:
     """A run folder (adapter_config.json) or a merged folder (config.json + safetensors); headers only."""
-    folder = Path(cfg.source).expanduser()
+    folder = latest_adapter(Path(cfg.source).expanduser())
     if not folder.is_dir():
         raise UserError(f"{cfg.source} does not exist; give a training run's --output-dir or a merged model folder")
     if (folder / "adapter_config.json").is_file():
@@ -58,10 +61,11 @@ def open_source(cfg: ExportConfig) -> Source:
         if not base_ref:
             raise UserError(f"--base: {folder}/adapter_config.json records no base; pass --base")
         base = reading.base_folder(base_ref)
-        config = json.loads((base / "config.json").read_text())
+        config = read_config(base / "config.json", "--base")
         tensors = [t for group in writing.plan_output(shards.weight_files(base), torch.float32, 1 << 62) for t in group]
-        if adapter_config.get("target_parameters"):
-            return Source("run", folder, config, folder, tensors, None, None, folder, adapter_config)  # refused by the format
+        tokenizer_dir = tokenizer_folder(folder, base)
+        if adapter_config.get("target_parameters"):  # refused by the format
+            return Source("run", folder, config, tokenizer_dir, tensors, None, None, folder, adapter_config, base=base)
         sources = {t.name: t.source for t in tensors}
         adapter = reading.disk_adapter(base, folder, adapter_config, weights, sources, cfg.trust_remote_code)
         adapter = adapter or reading.named_adapter(adapter_config, weights)
@@ -72,7 +76,6 @@ def open_source(cfg: ExportConfig) -> Source:
                 "adapter was trained on another base"
             )
         tensor_merger = applying.TensorMerger(adapter, torch.float32, verify=False, sources=sources)
-        tokenizer_dir = folder if (folder / "tokenizer_config.json").is_file() else base
         return Source(
             "run",
             folder,
@@ -84,12 +87,13 @@ def open_source(cfg: ExportConfig) -> Source:
             folder,
             adapter_config,
             tensor_merger.close,
+            base,
         )
     if (folder / "config.json").is_file():
         files = shards.shard_files(folder)
         if files is None:
             raise UserError(f"{folder} has no .safetensors weights; give a merged folder written by `lora-tune merge` or save_pretrained")
-        config = json.loads((folder / "config.json").read_text())
+        config = read_config(folder / "config.json", "export")
         tensors = [t for group in writing.plan_output(files, torch.float32, 1 << 62) for t in group]
         reader = applying.TensorMerger(reading.DiskAdapter({}, {}, {}, set()), torch.float32, verify=False)
         return Source(
@@ -124,16 +128,38 @@ def model_logits(folder: Path, ids: torch.Tensor, trust_remote_code: bool) -> to
         return model(input_ids=ids).logits
 
 
-def check_output(out: Path, fmt: str, overwrite: bool) -> None:
+def check_format(out: Path, fmt: str) -> None:
+    """The kind of output a format writes (what may be written there: `outputs.check_output`)."""
     if fmt in ("gguf", "gguf-lora") and out.suffix != ".gguf":
         raise UserError(f"--output: {out} should be a FILE.gguf for --format {fmt}")
     if fmt == "ollama" and out.exists() and not out.is_dir():
         raise UserError(f"--output: {out} is a file; --format ollama writes a folder (GGUF + Modelfile)")
     if fmt != "ollama" and out.is_dir():
         raise UserError(f"--output: {out} is a folder; give a FILE.gguf")
-    exists = out.is_file() or (out.is_dir() and any(out.iterdir()))
-    if exists and not overwrite:
-        raise UserError(f"--output: {out} already exists; choose another path or pass --overwrite")
+
+
+def is_gguf(path: Path) -> bool:
+    """A GGUF file (its magic): what an export may replace inside a run's folder."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+@contextmanager
+def staged(out: Path):
+    """A hidden temporary folder beside `out` to write the export into, removed whatever happens; a
+    write the machine refuses (full disk, read-only, no permission) is one line, exit 1."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        remove_tree(tmp)
+        tmp.mkdir(parents=True)
+        yield tmp
+    except OSError as e:
+        raise UserError(
+            f"--output: could not write {out} ({e.strerror or e}); nothing was left behind. Free space or choose another --output",
+            exit_code=1,
+        ) from None
+    finally:
+        remove_tree(tmp)
 
 
 def put_in_place(tmp: Path, out: Path) -> None:
@@ -142,6 +168,6 @@ def put_in_place(tmp: Path, out: Path) -> None:
         old = out.parent / f".{out.name}.old-{os.getpid()}"
         os.replace(out, old)
         os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        remove_tree(old)
     else:
         os.replace(tmp, out)

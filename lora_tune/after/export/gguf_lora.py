@@ -16,8 +16,6 @@ adapter through peft.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -27,7 +25,7 @@ import torch
 from lora_tune.after import serving
 from lora_tune.after.export import gguf as gguf_format
 from lora_tune.after.export import gguf_check
-from lora_tune.after.export.files import peft_logits, put_in_place
+from lora_tune.after.export.files import peft_logits, put_in_place, staged
 from lora_tune.after.merge import applying, reading
 from lora_tune.errors import UserError
 
@@ -155,10 +153,7 @@ def run(cfg, source, out: Path) -> gguf_check.RoundTrip:
         raise UserError("--format gguf-lora: q8_0 is for whole models; write the adapter as f16 or bf16 (it is small)")
     family = gguf_format.family_of(source.config)
     tensors, alpha = lora_tensors(source, family, cfg.quant)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged(out) as tmp:
         t0 = time.perf_counter()
         path = tmp / "adapter.gguf"
         write_adapter(path, source, family, tensors, alpha)
@@ -172,7 +167,5 @@ def run(cfg, source, out: Path) -> gguf_check.RoundTrip:
         result.seconds = seconds
         put_in_place(path, out)
         result.path = out
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info("exported gguf-lora to %s", out)
     return result

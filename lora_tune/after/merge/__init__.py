@@ -28,10 +28,11 @@ from peft import PeftModel
 from transformers.utils import logging as hf_logging
 
 from lora_tune.after.merge.applying import TensorMerger
-from lora_tune.after.merge.reading import NotStreamable, base_folder, disk_adapter, named_adapter, read_adapter
+from lora_tune.after.merge.reading import NotStreamable, base_folder, disk_adapter, latest_adapter, named_adapter, read_adapter
 from lora_tune.after.merge.verifying import FULL_CHECK_MAX_PARAMS, TOLERANCE, all_finite, relative_drift, verify_logits, verify_vision
-from lora_tune.after.merge.writing import check_apart, plan_output, prepare_output, shard_names, write_index, write_shard, write_side_files
+from lora_tune.after.merge.writing import plan_output, prepare_output, shard_names, write_index, write_shard, write_side_files
 from lora_tune.after.options import MergeConfig
+from lora_tune.after.outputs import check_output, write_mark
 from lora_tune.errors import UserError, sigterm_stops
 from lora_tune.files import remove_tree
 from lora_tune.models import shards
@@ -80,17 +81,17 @@ def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig
 
 
 def run(cfg: MergeConfig) -> Path:
-    adapter_dir = Path(cfg.adapter).expanduser()
-    out = Path(cfg.output).expanduser()
+    given = Path(cfg.adapter).expanduser()
     max_bytes = parse_size(cfg.max_shard_size, "--max-shard-size")
-    check_apart(out, adapter_dir, "adapter")
+    out = check_output(cfg.output, "merge", folder=True, overwrite=cfg.overwrite, inputs={"adapter": given})
+    adapter_dir = latest_adapter(given)
     config, weights = read_adapter(adapter_dir)
     base_ref = cfg.base or config.get("base_model_name_or_path")
     if not base_ref:
         raise UserError(f"--base: {adapter_dir}/adapter_config.json records no base; pass --base")
     base = base_folder(base_ref)
-    check_apart(out, base, "base model")
-    prepare_output(out, cfg.overwrite)
+    check_output(out, "merge", folder=True, overwrite=cfg.overwrite, inputs={"adapter": given, "base model": base})
+    prepare_output(out)
     dtype = OUT_DTYPE[cfg.dtype]
     base_files = shards.weight_files(base)
 
@@ -175,6 +176,7 @@ def _finish(out: Path, tmp: Path, write, base: Path, adapter_dir: Path, cfg: Mer
                     "nothing was written"
                 )
             log.info("verified: drift %.2e within tolerance %.0e for %s", drift, tolerance, cfg.dtype)
+        write_mark(tmp, "merge", adapter=adapter_dir, base=base, dtype=cfg.dtype)  # a later --overwrite may replace it
         before_commit()  # a SIGTERM that came while merging stops it here, before anything is in place
         if out.exists():  # --overwrite: swap, so the old folder is only gone once the new one is in place
             old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -5,7 +5,9 @@ checkpoint's own names (transformers' conversion mapping, `models.checkpoint_lay
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,10 @@ from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import meta_model, model_class
 from lora_tune.models.targets import lora_layers, lora_target
+from lora_tune.training import checkpoint as ckpt
+from lora_tune.training.run_folder import ADAPTER_FILES
+
+log = logging.getLogger("lora_tune")
 
 
 @dataclass
@@ -40,29 +46,64 @@ class LoraModule:
     in_first: bool = False
 
 
-def read_adapter(adapter_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def latest_adapter(folder: Path) -> Path:
+    """The adapter a run's folder holds: its final adapter, or, when the run stopped before writing
+    one (Ctrl-C, a signal, a crash), its newest complete checkpoint, said in one line. Any other
+    folder comes back as it is (`read_adapter` says what it lacks)."""
+    if not folder.is_dir() or any(os.path.lexists(folder / name) for name in ADAPTER_FILES):
+        return folder  # a final adapter, whole or damaged (read_adapter says which)
+    newest = ckpt.newest_complete(folder)
+    if newest is None and (folder / "lora_tune_config.yaml").is_file():
+        raise UserError(
+            f"{folder} is a run that stopped before its first checkpoint: it holds no adapter yet. Continue it with the same "
+            "`lora-tune train` command plus --resume"
+        )
+    if newest is None or not all((newest / name).is_file() for name in ADAPTER_FILES):
+        return folder
+    log.info(
+        "%s holds no final adapter (the run stopped at step %d): using its latest complete checkpoint, %s (`train ... --resume` "
+        "continues the run)",
+        folder,
+        ckpt.step_of(newest),
+        newest,
+    )
+    return newest
+
+
+def tokenizer_folder(adapter_dir: Path, base):
+    """The tokenizer training used: saved beside the final adapter, or, for a checkpoint (which holds
+    none), in its run's folder; else the base's (`base`, returned as given)."""
+    run = adapter_dir.parent if ckpt.is_checkpoint_name(adapter_dir.name) else None
+    for folder in (adapter_dir, run):
+        if folder is not None and (folder / "tokenizer_config.json").is_file():
+            return folder
+    return base
+
+
+def read_adapter(adapter_dir: Path, option: str = "--adapter") -> tuple[dict, dict[str, torch.Tensor]]:
+    """adapter_config.json (checked field by field) and the weights; `option` names the folder in messages."""
     if not adapter_dir.is_dir():
-        raise UserError(f"--adapter: {adapter_dir} does not exist; give the --output-dir of a training run")
+        raise UserError(f"{option}: {adapter_dir} does not exist; give the --output-dir of a training run")
     config_path, weights_path = adapter_dir / "adapter_config.json", adapter_dir / "adapter_model.safetensors"
     if not config_path.is_file() or not weights_path.is_file():
-        raise UserError(f"--adapter: {adapter_dir} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
+        raise UserError(f"{option}: {adapter_dir} is not an adapter folder (needs adapter_config.json and adapter_model.safetensors)")
     try:
         config = json.loads(config_path.read_bytes())
         weights = load_file(str(weights_path))
     except (ValueError, SafetensorError, OSError) as e:  # ValueError: bad JSON or not UTF-8
-        raise UserError(f"--adapter: {adapter_dir} is unreadable or truncated ({first_line(e)})") from None
-    check_adapter_config(config, config_path)
+        raise UserError(f"{option}: {adapter_dir} is unreadable or truncated ({first_line(e)})") from None
+    check_adapter_config(config, config_path, option)
     if not weights:
-        raise UserError(f"--adapter: {weights_path} is empty (the ZeRO-3 save bug); retrain or re-save the adapter")
+        raise UserError(f"{option}: {weights_path} is empty (the ZeRO-3 save bug); retrain or re-save the adapter")
     return config, weights
 
 
-def check_adapter_config(config, path: Path) -> None:
+def check_adapter_config(config, path: Path, option: str = "--adapter") -> None:
     """The fields the merge computes with, each of the type and range peft gives it; anything else
     is named in one line before a tensor is read."""
 
     def bad(what: str) -> UserError:
-        return UserError(f"--adapter: {path} {what}; it is not a LoRA adapter config peft wrote (fix it or re-save the adapter)")
+        return UserError(f"{option}: {path} {what}; it is not a LoRA adapter config peft wrote (fix it or re-save the adapter)")
 
     def is_number(v, positive: bool = False) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and (v > 0 if positive else True)
@@ -70,7 +111,7 @@ def check_adapter_config(config, path: Path) -> None:
     if not isinstance(config, dict):
         raise bad(f"holds a JSON {type(config).__name__}, not an object")
     if config.get("peft_type") != "LORA":
-        raise UserError(f"--adapter: {path.parent} holds a {config.get('peft_type')} adapter; only LoRA adapters can be merged")
+        raise UserError(f"{option}: {path.parent} holds a {config.get('peft_type')} adapter; lora-tune reads LoRA adapters only")
     r = config.get("r")
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise bad(f"has r = {r!r}; the rank must be a positive integer")

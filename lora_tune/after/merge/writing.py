@@ -1,6 +1,6 @@
 """The merged folder: output shards planned from the base's safetensors headers alone and written
 tensor by tensor, its index, config, tokenizer and (image-text models) processor files; and an
---output that is safe to write."""
+--output that can be written."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from lora_tune.after import vision
+from lora_tune.after.merge.reading import tokenizer_folder
 from lora_tune.errors import UserError, first_line
 from lora_tune.files import pid_alive, remove_tree
 from lora_tune.models import shards
@@ -112,8 +113,7 @@ def write_side_files(base: Path, adapter_dir: Path, out: Path, dtype: str) -> No
     (out / "config.json").write_text(json.dumps(config, indent=2))
     if (base / "generation_config.json").is_file():
         shutil.copy2(base / "generation_config.json", out / "generation_config.json")
-    # The tokenizer saved beside the adapter is the one training used (chat template included).
-    source = adapter_dir if (adapter_dir / "tokenizer_config.json").is_file() else base
+    source = tokenizer_folder(adapter_dir, base)  # the one training used (chat template included)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copy2(source / name, out / name)
@@ -155,39 +155,18 @@ def copy_processor_files(base: Path, adapter_dir: Path, out: Path, image_text: b
         )
 
 
-def check_apart(out: Path, folder: Path, what: str) -> None:
-    """--output is never the adapter's or the base's folder, nor inside one, nor around one: the
-    merge (with --overwrite, the swap) would delete its own input. --overwrite does not change that."""
-    out_r, folder_r = out.resolve(), folder.resolve()
-    if out_r == folder_r:
-        relation = "is"
-    elif folder_r in out_r.parents:
-        relation = "is inside"
-    elif out_r in folder_r.parents:
-        relation = "contains"
-    else:
-        return
-    raise UserError(
-        f"--output: {out} {relation} the {what} folder {folder}; merge never writes there, --overwrite or not (it would destroy "
-        "its own input). Choose another --output"
-    )
-
-
-def prepare_output(out: Path, overwrite: bool) -> None:
-    """Refuses an --output that can't be written or would replace something without --overwrite;
-    removes the temporary folders that a merge killed outright (SIGKILL) left beside it."""
+def prepare_output(out: Path) -> None:
+    """Refuses an --output that can't be written (what may be written there at all is
+    `lora_tune.after.outputs.check_output`'s); removes the temporary folders that a merge killed
+    outright (SIGKILL) left beside it."""
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    if existing == out and not out.is_dir():
-        raise UserError(f"--output: {out} is a file; give a folder")
     if not existing.is_dir():
         raise UserError(f"--output: {out} would be inside {existing}, which is a file; give a folder")
     parent = out.parent if out.parent.exists() else existing
     if os.statvfs(parent).f_flag & os.ST_RDONLY or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"--output: {parent} can't be written (read-only or no permission); choose another --output")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--output: {out} is not empty; choose another folder or pass --overwrite")
     if out.parent.is_dir():
         for left in out.parent.glob(f".{out.name}.*-*"):
             kind, _, pid = left.name.removeprefix(f".{out.name}.").partition("-")

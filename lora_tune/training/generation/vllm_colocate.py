@@ -133,7 +133,7 @@ class ColocatedGenerator:
             error = f"the colocated vLLM engine failed ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
         message = dist.first_message(error)
         if message is not None:
-            raise GenerationError(message, "Fix what it says, then continue with --resume")
+            raise GenerationError(message, "Fix what it says")
         self.handover.retire()
         return sampled
 

@@ -378,8 +378,8 @@ class ServerGenerator:
 
     def _advice(self) -> str:
         if self.server.process is not None:
-            return f"See {self.server.log_file}, then continue with --resume"
-        return "Restart it (or check it), then continue with --resume"
+            return f"See {self.server.log_file}"
+        return "Restart it (or check it)"
 
     def _load(self, name: str, folder: Path) -> None:
         try:
