@@ -156,4 +156,15 @@ class CheckServingConfig(BaseModel):
         description="The base the adapter will be served on (default: the one recorded in the adapter); its family decides "
         "the llama.cpp / Ollama rules.",
     )
+    live: bool = Field(
+        False,
+        description="--engine vllm: also serve the adapter on a real vLLM, greedy-decode a few prompts and compare them token by "
+        "token with transformers + peft (fp32); exit 1 when they differ within the first 8 tokens.",
+    )
+    vllm_python: str | None = Field(
+        None, description="--live: the python of vLLM's environment, to start a server with (default: this one, if vLLM imports here)."
+    )
+    vllm_url: str | None = Field(None, description="--live: a running vLLM server of the base (runtime LoRA on) to use instead.")
+    prompts: str | None = Field(None, description="--live: a text file of prompts, one a line (default: four built-in ones).")
+    max_new_tokens: int = Field(32, gt=0, description="--live: tokens decoded per prompt.")
     verbose: bool = Field(False, description="Also show the libraries' own warnings and logs.")

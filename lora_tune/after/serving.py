@@ -16,18 +16,16 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lora_tune.after import vision
+from lora_tune.after import live_serving, vision
 from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.errors import UserError, first_line
 from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
+from lora_tune.training.generation.vllm_server import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
 
 log = logging.getLogger("lora_tune")
 
 ENGINES = ("vllm", "llama.cpp", "ollama")
-# vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks); its default is 16.
-VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-VLLM_DEFAULT_MAX_LORA_RANK = 16
 EMBEDDING_TARGETS = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
 # Families whose LoRA a llama.cpp adapter GGUF can carry: the architectures `lora-tune export`
 # writes (lora_tune.after.export.gguf.FAMILIES) - an adapter GGUF must match its base's tensor layout.
@@ -233,10 +231,6 @@ def problems_for(engine: str, facts: AdapterFacts) -> list[str]:
     return {"vllm": vllm_problems, "llama.cpp": llama_cpp_problems, "ollama": ollama_problems}[engine](facts)
 
 
-def vllm_max_lora_rank(rank: int) -> int:
-    return next(r for r in VLLM_MAX_LORA_RANKS if r >= rank)
-
-
 def how_to_serve(engine: str, facts: AdapterFacts, base: str, adapter_dir: str) -> str:
     if engine == "vllm":
         needed = vllm_max_lora_rank(facts.rank)
@@ -289,6 +283,12 @@ class ServingReport:
     engine: str
     problems: list[str]
     command: str | None  # how to serve it, when it serves
+    live: list | None = None  # --live: lora_tune.after.live_serving.Comparison per prompt
+
+    @property
+    def agrees(self) -> bool:
+        """The live check found no prompt whose tokens differ early (True without --live)."""
+        return live_serving.agrees(self.live) if self.live is not None else True
 
 
 def run(cfg) -> ServingReport:
@@ -296,7 +296,11 @@ def run(cfg) -> ServingReport:
     names and the base's config.json (the family; an image-text model's parts), nothing heavy; a
     merged folder: `check_merged`. Refusals are one `error:` line (exit 2)."""
     folder = Path(cfg.source).expanduser()
+    if cfg.live and cfg.engine != "vllm":
+        raise UserError(f"--live serves the adapter on vLLM; it has no {cfg.engine} check: use --engine vllm, or leave --live out")
     if folder.is_dir() and not (folder / "adapter_config.json").is_file() and (folder / "config.json").is_file():
+        if cfg.live:
+            raise UserError(f"--live compares a served adapter with peft; {folder} is a merged model: give the run or adapter folder")
         return check_merged(cfg.engine, folder)
     folder = latest_adapter(folder)
     adapter_config, weights = read_adapter(folder)
@@ -317,7 +321,8 @@ def run(cfg) -> ServingReport:
         shown = sorted({m.rsplit(".", 1)[-1] for m in vision.adapted_modules(weights)})
     print(f"{cfg.engine}: this adapter serves (rank {facts.rank}, {', '.join(shown)})")
     print(f"serve it with: {command}")
-    return ServingReport(cfg.engine, [], command)
+    live = live_serving.check(cfg, folder, base, facts.rank) if cfg.live else None
+    return ServingReport(cfg.engine, [], command, live)
 
 
 def config_of(base: str) -> dict:

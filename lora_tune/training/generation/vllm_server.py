@@ -42,6 +42,7 @@ LOG_FILE = "vllm-server.log"
 ADMIN = 60  # seconds for an adapter load or unload (--vllm-timeout bounds the completions)
 # vLLM's --max-lora-rank takes one of these (vllm/config/lora.py, MaxLoRARanks); its default is 16.
 VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_DEFAULT_MAX_LORA_RANK = 16
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "8bit": "bfloat16", "4bit": "bfloat16"}
 # A dying parent's SIGTERM reaches the server too (Linux's parent-death signal survives exec): a
 # killed trainer leaves no server behind.
@@ -53,7 +54,7 @@ PRELUDE = (
 def vllm_max_lora_rank(rank: int) -> int:
     """The smallest --max-lora-rank vLLM accepts that serves this rank, and never below vLLM's default
     (16): a server started with it computes what the user's default server computes, token for token."""
-    return next(r for r in VLLM_MAX_LORA_RANKS if r >= max(rank, 16))
+    return next(r for r in VLLM_MAX_LORA_RANKS if r >= max(rank, VLLM_DEFAULT_MAX_LORA_RANK))
 
 
 def serve_command(cfg, base: str, max_model_len: int, python: str = "python") -> str:
@@ -261,7 +262,7 @@ def launch(python: str, args: list[str], url: str, log_file: Path, kv_cache_spac
         raise UserError(f"--vllm-python: something already listens at {url}; stop it, or give --vllm-url another port")
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space:g}"}
     command = [python, "-c", PRELUDE, "-m", "vllm.entrypoints.openai.api_server", *args]
-    log.info("starting vLLM: %s (log: %s)", " ".join(command[3:]), log_file)
+    log.info("starting vLLM: %s %s (log: %s)", python, " ".join(command[3:]), log_file)
     with open(log_file, "ab") as sink:
         try:
             return subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
