@@ -64,7 +64,7 @@ args = GRPOConfig(output_dir=sys.argv[4], per_device_train_batch_size=cfg["micro
                   num_generations=cfg["num_generations"], max_completion_length=cfg["max_new_tokens"], temperature=1.0,
                   learning_rate=cfg["lr"], max_steps=cfg["steps"], logging_steps=1, save_strategy="no", report_to="none",
                   gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}, seed=cfg["seed"],
-                  disable_tqdm=True, use_cpu=True, bf16=False, beta=0.0, loss_type="dapo", use_vllm=False)
+                  disable_tqdm=True, use_cpu=not torch.cuda.is_available(), bf16=False, beta=0.0, loss_type="dapo", use_vllm=False)
 peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
 trainer = GRPOTrainer(model=model, reward_funcs=[even], args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
                       peft_config=peft)
