@@ -136,15 +136,15 @@ class VLLMServer:
     its processes while it served."""
 
     def __init__(self, python: str, base: Path, work: Path):
-        from lora_tune.training.generation import vllm_server
+        from lora_tune.training.generation import vllm_api
 
-        self.url = f"http://127.0.0.1:{vllm_server.free_port()}"
+        self.url = f"http://127.0.0.1:{vllm_api.free_port()}"
         log_file = work / "vllm-server.log"
         started = time.perf_counter()
-        args = vllm_server.server_args(str(base), self.url, "float32", 16, 1024)
-        self.process = vllm_server.launch(python, args, self.url, log_file, kv_cache_space=1)
-        self.server = vllm_server.Server(vllm_server.Client(self.url, 600), self.process, log_file, work / "unused-adapters")
-        vllm_server.wait_healthy(self.server.client, self.url, 600, self.process, log_file)
+        args = vllm_api.server_args(str(base), self.url, "float32", 16, 1024)
+        self.process = vllm_api.launch(python, args, self.url, log_file, kv_cache_space=1)
+        self.server = vllm_api.Server(vllm_api.Client(self.url, 600), self.process, log_file, work / "unused-adapters")
+        vllm_api.wait_healthy(self.server.client, self.url, 600, self.process, log_file)
         self.start = time.perf_counter() - started
         self.tree = TreePeak(self.process.pid)
 
@@ -164,7 +164,7 @@ def rollout_speed(base: Path, work: Path, server: VLLMServer) -> dict[int, tuple
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_tune.training.generation import vllm_server
+    from lora_tune.training.generation import vllm_api
 
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
@@ -173,7 +173,7 @@ def rollout_speed(base: Path, work: Path, server: VLLMServer) -> dict[int, tuple
     adapter = work / "speed-adapter"
     peft_model.save_pretrained(adapter)
     peft_model.eval()
-    client = vllm_server.Client(server.url, 600)
+    client = vllm_api.Client(server.url, 600)
     assert client.call("/v1/load_lora_adapter", {"lora_name": "speed", "lora_path": str(adapter)})[0] == 200
     prompt = tok("Write about the weather and the sea:")["input_ids"]
     speeds = {}

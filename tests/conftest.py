@@ -18,7 +18,7 @@ import datasets.utils.logging  # noqa: E402
 import pytest  # noqa: E402
 
 from lora_tune.models.tiny.model import build_tiny_llama  # noqa: E402
-from lora_tune.training.generation import vllm_server as vllm  # noqa: E402
+from lora_tune.training.generation import vllm_api as vllm  # noqa: E402
 
 from helpers import ALPACA, CHAT, PROMPT_COMPLETION, TEXT, free_port, write_jsonl  # noqa: E402
 

@@ -22,7 +22,7 @@ import torch
 
 from lora_tune.errors import UserError
 from lora_tune.models.loading import load_tokenizer
-from lora_tune.training.generation import vllm_server
+from lora_tune.training.generation import vllm_api, vllm_server
 
 FEW = 8  # tokens that must agree at fp32
 PROMPTS = (
@@ -85,23 +85,23 @@ def agrees(results: list[Comparison]) -> bool:
     return all(r.divergence is None or r.divergence >= FEW for r in results)
 
 
-def start_server(cfg, base: str, rank: int, max_model_len: int, scratch: Path) -> vllm_server.Server:
+def start_server(cfg, base: str, rank: int, max_model_len: int, scratch: Path) -> vllm_api.Server:
     if cfg.vllm_url:
         vllm_server.check_server(_ServerOptions(cfg.vllm_url, rank), base, max_model_len)
-        return vllm_server.Server(vllm_server.Client(cfg.vllm_url, 600), None, None, scratch / "adapters")
+        return vllm_api.Server(vllm_api.Client(cfg.vllm_url, 600), None, None, scratch / "adapters")
     python = cfg.vllm_python or (sys.executable if importlib.util.find_spec("vllm") else None)
     if python is None:
         raise UserError(
             "check-serving --live: vLLM is not installed here; pass --vllm-python PATH (the python of vLLM's environment) or "
             "--vllm-url of a running server"
         )
-    url = f"http://127.0.0.1:{vllm_server.free_port()}"
+    url = f"http://127.0.0.1:{vllm_api.free_port()}"
     log_file = scratch / "vllm-server.log"
-    args = vllm_server.server_args(base, url, "float32", rank, max_model_len)
-    process = vllm_server.launch(python, args, url, log_file, kv_cache_space=1)
-    server = vllm_server.Server(vllm_server.Client(url, 600), process, log_file, scratch / "adapters")
+    args = vllm_api.server_args(base, url, "float32", rank, max_model_len)
+    process = vllm_api.launch(python, args, url, log_file, kv_cache_space=1)
+    server = vllm_api.Server(vllm_api.Client(url, 600), process, log_file, scratch / "adapters")
     try:
-        vllm_server.wait_healthy(server.client, url, 600, process, log_file)
+        vllm_api.wait_healthy(server.client, url, 600, process, log_file)
     except UserError:
         server.close()
         raise
@@ -118,17 +118,17 @@ class _ServerOptions:
     precision: str = "fp32"
 
 
-def serve(client: vllm_server.Client, cfg, folder: Path, ids: list[list[int]]) -> list[list[int]]:
+def serve(client: vllm_api.Client, cfg, folder: Path, ids: list[list[int]]) -> list[list[int]]:
     status, body = client.call("/v1/load_lora_adapter", {"lora_name": "check-serving", "lora_path": str(folder.resolve())}, 60)
     if status != 200:
-        raise UserError(f"check-serving --live: vLLM refused the adapter ({vllm_server.error_text(body)})")
+        raise UserError(f"check-serving --live: vLLM refused the adapter ({vllm_api.error_text(body)})")
     try:
         out = []
         for prompt in ids:
             payload = {"model": "check-serving", "prompt": prompt, "max_tokens": cfg.max_new_tokens, "temperature": 0.0}
             status, body = client.call("/v1/completions", {**payload, "return_token_ids": True})
             if status != 200:
-                raise UserError(f"check-serving --live: vLLM failed a completion ({vllm_server.error_text(body)})")
+                raise UserError(f"check-serving --live: vLLM failed a completion ({vllm_api.error_text(body)})")
             out.append(list(json.loads(body)["choices"][0]["token_ids"]))
         return out
     finally:

@@ -21,7 +21,7 @@ from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.errors import UserError, first_line
 from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
-from lora_tune.training.generation.vllm_server import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
+from lora_tune.training.generation.vllm_api import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
 
 log = logging.getLogger("lora_tune")
 

@@ -21,7 +21,8 @@ from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 from lora_tune.training.generation import handover
 from lora_tune.training.generation.registry import GenerationError, Sampled, cut_at_eos, special_ids
-from lora_tune.training.generation.vllm_server import VLLM_DTYPES, check_head_size, needed_length, vllm_max_lora_rank
+from lora_tune.training.generation.vllm_api import VLLM_DTYPES, check_head_size, sampling, vllm_max_lora_rank, vllm_seed
+from lora_tune.training.generation.vllm_server import needed_length
 
 log = logging.getLogger("lora_tune")
 
@@ -104,19 +105,7 @@ class ColocatedGenerator:
                 llm.wake_up()
             # A new id per batch: vLLM caches adapters by id, and an id reused with another path serves the old weights.
             request = LoRARequest(f"gen{index}", index + 1, str(folder))
-            params = [
-                SamplingParams(
-                    n=1,
-                    max_tokens=cfg.max_new_tokens,
-                    temperature=cfg.temperature,
-                    top_p=cfg.top_p,
-                    top_k=cfg.top_k or -1,
-                    seed=seed % (2**31 - 1),
-                    logprobs=0,
-                    stop_token_ids=sorted(self.eos_ids),
-                )
-                for seed in seeds
-            ]
+            params = [SamplingParams(n=1, seed=vllm_seed(seed), **sampling(cfg, self.eos_ids)) for seed in seeds]
             outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=request, use_tqdm=False)
             sampled = []
             for out in outputs:
