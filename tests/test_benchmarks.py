@@ -62,7 +62,10 @@ def test_grpo_vs_trl_runs_both_routes_on_a_tiny_shape(tmp_path):
     for row in rows:
         wall, rewards = float(row.split(" | ")[1]), [float(v) for v in row.split(" | ")[4:6]]
         assert wall > 0 and all(0 <= r <= 1 for r in rewards)
-    assert any(line.startswith("lora-tune vs TRL GRPOTrainer") and "peak RSS" in line for line in proc.stdout.splitlines())
+    assert any(
+        line.startswith("lora-tune train --objective grpo vs TRL GRPOTrainer") and "peak RSS" in line for line in proc.stdout.splitlines()
+    )
+    assert "TRL GRPOTrainer(use_vllm=True) can't run on this CPU" in proc.stdout  # said, with the reasons
 
 
 def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):

@@ -114,7 +114,7 @@ def test_a_request_past_the_timeout_stops_the_run_in_one_line(vllm_server, vllm_
     )
     line = single_error_line(err)
     assert code == 1 and f"the vLLM server at {vllm_server} took longer than --vllm-timeout 0.001 s at step 1" in line
-    assert "no checkpoint was written before it" in line and "continue with --resume" in line
+    assert "no checkpoint was written before it" in line and "then continue with the same command plus --resume" in line
 
 
 def test_a_server_the_run_can_t_use_is_refused_before_loading(vllm_server, vllm_tiny_model, tiny_model, files, tmp_path, capsys):
@@ -164,7 +164,8 @@ def test_lora_tune_starts_the_server_and_a_server_killed_mid_run_is_one_line_the
     _, err = proc.communicate(timeout=300)
     line = single_error_line(err)
     assert proc.returncode == 1, err[-3000:]
-    assert f"the vLLM server at http://127.0.0.1:{port} stopped answering" in line and "then continue with --resume" in line
+    assert f"the vLLM server at http://127.0.0.1:{port} stopped answering" in line
+    assert "then continue with the same command plus --resume" in line
     # The step whose generation found it gone (the kill lands a step or two after checkpoint-2), and the newest checkpoint before it.
     found = re.search(r" at step (\d+); the last checkpoint is (\S+)\. ", line)
     assert found, line
