@@ -198,6 +198,10 @@ BAD_INPUT = {
     "zero max steps": (lambda c: c.train(max_steps=0), "--max-steps: must be a positive integer (got 0); leave it out to disable"),
     "zero micro batch": (lambda c: c.train(micro_batch_size=0), "--micro-batch-size: must be a positive integer"),
     "negative weight decay": (lambda c: c.train(weight_decay=-1), "--weight-decay: must be >= 0 (got -1"),
+    "loraplus ratio 0": (
+        lambda c: c.train(loraplus_lr_ratio=0),
+        "--loraplus-lr-ratio: must be > 0 (got 0.0); the LoRA+ paper uses 16; leave it out for plain LoRA",
+    ),
     "unknown scheduler": (lambda c: c.train(lr_scheduler="cosine_restarts"), "--lr-scheduler: got 'cosine_restarts'"),
     "unknown optimizer": (lambda c: c.train(optim="lion"), "--optim: got 'lion'"),
     "unknown backend": (lambda c: c.train(backend="horovod"), "--backend: got 'horovod'; choose one of single, deepspeed, fsdp"),

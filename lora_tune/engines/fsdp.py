@@ -153,10 +153,12 @@ class FSDPEngine:
     def prepare(self, model, total_steps: int) -> None:
         cfg = self.cfg
         self.model = model
-        self.params = [p for _, p in self._lora_params()]
+        named = self._lora_params()
+        self.params = [p for _, p in named]
         # The optimizer sees each shard as a plain tensor (same storage): see the module docstring.
         self.local = [p.to_local().detach() for p in self.params]
-        self.optimizer = common.build_optimizer(cfg.optim, self.local, cfg.lr, cfg.weight_decay)
+        groups = common.param_groups([(n, local) for (n, _), local in zip(named, self.local)], cfg.lr, cfg.loraplus_lr_ratio)
+        self.optimizer = common.build_optimizer(cfg.optim, groups, cfg.lr, cfg.weight_decay)
         self.scheduler = common.build_scheduler(cfg, self.optimizer, total_steps)
 
     # --- steps ---------------------------------------------------------------------------------
