@@ -27,7 +27,7 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
-from lora_tune.models import sequence_parallel, tiled_mlp
+from lora_tune.models import inits, sequence_parallel, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.attention import quadratic_attention_warning
@@ -133,6 +133,7 @@ def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
     data on disk: lora_tune.data.batching.passes), else None. The sharding backends count micro-steps
     themselves, and online objectives build their own batches."""
     objective = objectives.of(cfg)
+    inits.check(cfg, needs_reference=objective.reference or bool(objective.online and cfg.beta))
     row = cfg.max_seq_len * objective.sequences_per_unit
     tokens = max(PASS_TOKENS, row)
     if device.type != "cpu" or engines.spec_of(cfg).multi_process or objective.online or cfg.micro_batch_size * row <= tokens:

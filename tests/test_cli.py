@@ -198,6 +198,20 @@ BAD_INPUT = {
     "zero max steps": (lambda c: c.train(max_steps=0), "--max-steps: must be a positive integer (got 0); leave it out to disable"),
     "zero micro batch": (lambda c: c.train(micro_batch_size=0), "--micro-batch-size: must be a positive integer"),
     "negative weight decay": (lambda c: c.train(weight_decay=-1), "--weight-decay: must be >= 0 (got -1"),
+    "unknown init": (
+        lambda c: c.train(init_lora_weights="pisa"),
+        "--init-lora-weights: unknown init 'pisa'; choose from gaussian, orthogonal, pissa, pissa_niter_N, olora, eva, corda",
+    ),
+    "eva init": (lambda c: c.train(init_lora_weights="eva"), "--init-lora-weights: eva is refused: EVA sets A from an SVD"),
+    "lora-ga init": (lambda c: c.train(init_lora_weights="lora-ga"), "--init-lora-weights: lora-ga is refused: LoRA-GA starts"),
+    "pissa on 4bit": (lambda c: c.train(init_lora_weights="pissa", precision="4bit"), "(QPiSSA), which lora-tune doesn't do yet"),
+    "pissa under zero-3": (lambda c: c.train(init_lora_weights="olora", zero=3), "use --backend fsdp (it decomposes each layer"),
+    "pissa with dora": (lambda c: c.train(init_lora_weights="pissa", dora=True), "DoRA's magnitudes are norms of the residual"),
+    "pissa with a reference": (
+        lambda c: c.train(c.pairs, init_lora_weights="pissa", objective="dpo"),
+        "the reference policy (the base without the adapter) would be that residual",
+    ),
+    "orthogonal odd rank": (lambda c: c.train(init_lora_weights="orthogonal", rank=3), "pass an even --rank, not 3"),
     "loraplus ratio 0": (
         lambda c: c.train(loraplus_lr_ratio=0),
         "--loraplus-lr-ratio: must be > 0 (got 0.0); the LoRA+ paper uses 16; leave it out for plain LoRA",

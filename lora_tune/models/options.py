@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -44,6 +45,22 @@ class ModelOptions(Options):
 ADAPTER_SHAPE = fixed("holds adapter tensors (and their optimizer state) of that shape", from_checkpoint=False)
 
 
+# peft's init_lora_weights values (lora_tune.models.inits runs them). Those that need a statistics
+# pass over the run's first batches before the adapter goes in are refused, each saying why.
+LORA_INITS = ("gaussian", "orthogonal", "pissa", "pissa_niter_N", "olora", "eva", "corda", "loftq", "lora_ga")
+NOT_WIRED = "; lora-tune's engines don't run that pass yet. Use pissa (data-free, keeps the base's function) or leave it out"
+INIT_REFUSED = {
+    "eva": "EVA sets A from an SVD of each layer's inputs over the first batches and redistributes the ranks across layers "
+    "(peft's initialize_lora_eva_weights)" + NOT_WIRED,
+    "corda": "CorDA decomposes each weight with the covariance of its inputs over the first batches (peft's preprocess_corda)" + NOT_WIRED,
+    "lora_ga": "LoRA-GA starts from the gradients of the full base weights over the first batches (peft's preprocess_loraga: "
+    "a full fine-tune's gradient memory)" + NOT_WIRED,
+    "loftq": "LoftQ re-quantizes the base against the full-precision weights it reads from the checkpoint (peft's "
+    "replace_lora_weights_loftq), which lora-tune's quantized loading paths don't run yet. Use pissa on a bf16 base, or leave "
+    "it out",
+}
+
+
 class LoraOptions(Options):
     """The adapter's shape (read by lora_tune.models.targets and .adapter)."""
 
@@ -78,6 +95,16 @@ class LoraOptions(Options):
         "with --target-modules, those of the names given, in both parts). Off: they stay frozen, get no LoRA and no gradients, "
         "and target names that also match them are left out and reported.",
     )
+    init_lora_weights: str | None = Field(
+        None,
+        json_schema_extra=fixed("started from that init (PiSSA/OLoRA: training the residual base it left)"),
+        description="LoRA's initial values, peft's names: gaussian (A ~ N(0, 1/r)), orthogonal (A, B with BA = 0; even rank), "
+        "pissa (A, B from the weight's top r singular vectors, the base keeps the residual), pissa_niter_N (the same by N "
+        "subspace iterations: fast), olora (from a QR of the weight; residual base). Every one keeps the base's function at "
+        "step 0. PiSSA/OLoRA adapters are written converted to a plain LoRA of the original base (rank 2r, peft's "
+        "path_initial_model_for_weight_conversion). eva, corda, lora-ga and loftq are refused, saying why. Default: peft's "
+        "(Kaiming A, zero B). LoRA only.",
+    )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=ADAPTER_SHAPE, description="Weight-decomposed LoRA (DoRA).")
     init_adapter: str | None = Field(
@@ -93,6 +120,18 @@ class LoraOptions(Options):
         if v is not None and (not v or "lm_head" in v):
             raise ValueError("give module names such as q_proj v_proj (lm_head is never adapted); leave it out for all linear layers")
         return v
+
+    @field_validator("init_lora_weights")
+    @classmethod
+    def _init(cls, v):
+        if v is None:
+            return v
+        name = v.strip().lower().replace("-", "_")  # lora-ga as people write it, lora_ga as peft does
+        if name in INIT_REFUSED:
+            raise ValueError(f"{v} is refused: {INIT_REFUSED[name]}")
+        if name not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", name):
+            raise ValueError(f"unknown init {v!r}; choose from {', '.join(LORA_INITS).replace('lora_ga', 'lora-ga')}")
+        return name
 
     @property
     def lora_alpha(self) -> float | int:

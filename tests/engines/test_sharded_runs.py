@@ -57,6 +57,8 @@ RESUMED = {
     "fsdp-bf16": dict(backend="fsdp", precision="bf16", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     "fsdp-4bit-offload": dict(backend="fsdp", offload="cpu", precision="4bit", optim="adamw_8bit", lr=5e-2),
     "fsdp-8bit": dict(backend="fsdp", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
+    # PiSSA decomposed layer by layer as FSDP2 streams the base in; checkpoints hold the converted adapter.
+    "fsdp-pissa": dict(backend="fsdp", precision="bf16", init_lora_weights="pissa_niter_2", optim="adamw_8bit", lr=5e-2),
 }
 RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
 # Resumed with --allow-config-change and these: each engine's optimizer must take them from step 3 on.
