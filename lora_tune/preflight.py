@@ -46,7 +46,7 @@ from lora_tune.models.loading import (
 from lora_tune.models.processors import ImageText, load_image_text
 from lora_tune.models.shards import base_fingerprint
 from lora_tune.models.structure import is_image_text
-from lora_tune.models.targets import lora_targets
+from lora_tune.models.targets import lora_targets, token_ids
 from lora_tune.planner.run_plan import memory_plan
 from lora_tune.training import compilation
 from lora_tune.training.generation import registry as generation
@@ -217,7 +217,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         cfg = cfg.model_copy(update={"gradient_checkpointing": "off"})
     if cfg.train_vision and not is_image_text(config):
         raise UserError("--train-vision: the base is a text-only model (no vision tower); leave it out")
-    targets = lora_targets(cfg, config)
+    targets = lora_targets(cfg, config, token_ids(cfg, tokenizer))
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)
     serving.check_rollout(cfg, targets, config.model_type)

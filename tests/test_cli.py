@@ -212,6 +212,21 @@ BAD_INPUT = {
         "the reference policy (the base without the adapter) would be that residual",
     ),
     "orthogonal odd rank": (lambda c: c.train(init_lora_weights="orthogonal", rank=3), "pass an even --rank, not 3"),
+    "rank pattern without =R": (
+        lambda c: c.train(rank_pattern=["down_proj"]),
+        "--rank-pattern: 'down_proj' has no =R; write REGEX=R, e.g. down_proj=32",
+    ),
+    "rank pattern not a rank": (lambda c: c.train(rank_pattern=["q_proj=big"]), "--rank-pattern: 'q_proj=big': 'big' is not a positive"),
+    "alpha pattern bad regex": (lambda c: c.train(alpha_pattern=["q_proj(=8"]), "--alpha-pattern: 'q_proj(' is not a regular expression"),
+    "negative layer": (lambda c: c.train(layers_to_transform=["-1"]), "--layers-to-transform: give decoder layer indices from 0"),
+    "token the tokenizer lacks": (
+        lambda c: c.train(trainable_tokens=["<|brand_new|>"]),
+        "--trainable-tokens: '<|brand_new|>' is not a token of this tokenizer (it splits into",
+    ),
+    "unknown module to save": (
+        lambda c: c.train(modules_to_save=["score_head"]),
+        "--modules-to-save: score_head is not a module of this model; name one such as lm_head",
+    ),
     "loraplus ratio 0": (
         lambda c: c.train(loraplus_lr_ratio=0),
         "--loraplus-lr-ratio: must be > 0 (got 0.0); the LoRA+ paper uses 16; leave it out for plain LoRA",

@@ -21,6 +21,7 @@ from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.errors import UserError, first_line
 from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
+from lora_tune.models.inits import changes_base
 from lora_tune.training.generation.vllm_server import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
 
 log = logging.getLogger("lora_tune")
@@ -57,6 +58,7 @@ class AdapterFacts:
     # An image-text base: the modules outside its language model (vision tower, projector) the adapter
     # changes (from the adapter's tensors); at train time, ["--train-vision"] when that is asked for.
     vision_modules: list[str] = field(default_factory=list)
+    trainable_tokens: bool = False  # peft's trainable_token_indices: embedding rows trained in place
 
     @classmethod
     def from_adapter_config(cls, config: dict, model_type: str) -> AdapterFacts:
@@ -74,13 +76,20 @@ class AdapterFacts:
             rslora=bool(config.get("use_rslora")),
             alpha_pattern=bool(config.get("alpha_pattern")),
             model_type=model_type,
+            trainable_tokens=bool(config.get("trainable_token_indices")),
         )
 
     @classmethod
     def from_train(cls, cfg, targets, model_type: str) -> AdapterFacts:
         return cls(
-            rank=cfg.rank,
+            # PiSSA / OLoRA adapters are written as rank-2r LoRAs of the original base (lora_tune.models.inits)
+            rank=max([cfg.rank, *getattr(cfg, "rank_patterns", {}).values()])
+            * (2 if changes_base(getattr(cfg, "init_lora_weights", None)) else 1),
             dora=cfg.dora,
+            modules_to_save=list(getattr(cfg, "modules_to_save", None) or []),
+            has_patterns=bool(getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None)),
+            alpha_pattern=bool(getattr(cfg, "alpha_pattern", None)),
+            trainable_tokens=bool(getattr(cfg, "trainable_tokens", None)),
             target_modules=list(targets.modules) if targets else list(cfg.target_modules or []),
             target_parameters=list(targets.parameters) if targets else [],
             model_type=model_type,
@@ -109,6 +118,11 @@ def _merge_then_serve(facts: AdapterFacts) -> str:
     )
 
 
+def _tokens(server: str, facts: AdapterFacts) -> str:
+    where = "--trainable-tokens trains" if facts.at_train_time else "this adapter holds"
+    return f"{server} takes LoRA pairs only, and {where} embedding rows (peft's trainable_token_indices); merge first (`lora-tune merge`)"
+
+
 def vllm_problems(facts: AdapterFacts) -> list[str]:
     problems = []
     # vllm/lora/peft_helper.py, PEFTHelper._validate_features: "vLLM does not yet support DoRA."
@@ -123,6 +137,8 @@ def vllm_problems(facts: AdapterFacts) -> list[str]:
             f"vLLM refuses modules_to_save ({', '.join(facts.modules_to_save)}) (peft_helper: 'only supports modules_to_save "
             "being None'); merge, then serve the merged model"
         )
+    if facts.trainable_tokens:  # PEFTHelper reads LoRA pairs and embeddings only: the trained rows would be dropped
+        problems.append(_tokens("vLLM", facts))
     # PEFTHelper.validate_legal: "Adapter bias cannot be used without bias_enabled"; lora-tune never trains biases.
     if facts.bias != "none":
         problems.append(
@@ -185,6 +201,8 @@ def llama_cpp_problems(facts: AdapterFacts, merged_format: str = "gguf") -> list
         problems.append(f"a llama.cpp LoRA adapter can't carry modules_to_save ({', '.join(facts.modules_to_save)}); {merged}")
     if facts.bias != "none":
         problems.append(f"a llama.cpp LoRA adapter has no LoRA bias; {merged}")
+    if facts.trainable_tokens:
+        problems.append(_tokens("a llama.cpp LoRA adapter", facts))
     if facts.target_parameters:
         problems.append(
             f"a llama.cpp LoRA adapter can't carry fused expert tensors ({', '.join(facts.target_parameters)}); {_merge_then_serve(facts)}"
@@ -261,11 +279,12 @@ def check_config(cfg, targets, model_type: str) -> None:
     engine = getattr(cfg, "serve_with", None)
     if not engine:
         return
-    problems = problems_for(engine, AdapterFacts.from_train(cfg, targets, model_type))
+    facts = AdapterFacts.from_train(cfg, targets, model_type)
+    problems = problems_for(engine, facts)
     if problems:
         raise UserError(f"--serve-with {engine}: " + "; ".join(problems))
-    if engine == "vllm" and vllm_max_lora_rank(cfg.rank) > VLLM_DEFAULT_MAX_LORA_RANK:
-        log.info("--serve-with vllm: rank %d needs vLLM started with --max-lora-rank %d", cfg.rank, vllm_max_lora_rank(cfg.rank))
+    if engine == "vllm" and vllm_max_lora_rank(facts.rank) > VLLM_DEFAULT_MAX_LORA_RANK:
+        log.info("--serve-with vllm: rank %d needs vLLM started with --max-lora-rank %d", facts.rank, vllm_max_lora_rank(facts.rank))
 
 
 def check_rollout(cfg, targets, model_type: str) -> None:

@@ -91,7 +91,7 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     peft_model = get_peft_model(model, lora_config(cfg, targets))
     if checkpointing.enabled:
         require_grads_from_text_embeddings(model)
-    check_adapted(wanted, peft_model, cfg.rank)
+    check_adapted(wanted, peft_model, cfg)
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed
     peft_model.lora_tune_init = cfg.init_lora_weights

@@ -105,6 +105,34 @@ class LoraOptions(Options):
         "path_initial_model_for_weight_conversion). eva, corda, lora-ga and loftq are refused, saying why. Default: peft's "
         "(Kaiming A, zero B). LoRA only.",
     )
+    rank_pattern: list[str] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Other ranks for some modules: REGEX=R ..., the regex matched against module names as peft's rank_pattern "
+        "does (the full name or a dotted suffix, e.g. down_proj=32 or 'layers\\.0\\..*=8'); the first that matches wins.",
+    )
+    alpha_pattern: list[str] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Other alphas for some modules: REGEX=A ..., matched as --rank-pattern (peft's alpha_pattern).",
+    )
+    layers_to_transform: list[int] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Adapt only these decoder layers (indices from 0; peft's layers_to_transform); default: every layer.",
+    )
+    trainable_tokens: list[str] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Train the embedding rows of these tokens (new or special tokens, as the tokenizer spells them, e.g. "
+        "'<|im_start|>'), not the whole embedding (peft's trainable_token_indices; tied output rows follow).",
+    )
+    modules_to_save: list[str] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Modules trained in full beside the adapter and saved with it (peft's modules_to_save), e.g. lm_head or "
+        "embed_tokens. vLLM and llama.cpp can't take them: merge first.",
+    )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=ADAPTER_SHAPE, description="Weight-decomposed LoRA (DoRA).")
     init_adapter: str | None = Field(
@@ -132,6 +160,44 @@ class LoraOptions(Options):
         if name not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", name):
             raise ValueError(f"unknown init {v!r}; choose from {', '.join(LORA_INITS).replace('lora_ga', 'lora-ga')}")
         return name
+
+    @field_validator("rank_pattern", "alpha_pattern")
+    @classmethod
+    def _patterns(cls, v, info):
+        what = "R" if info.field_name == "rank_pattern" else "A"
+        for item in v or ():
+            regex, _, value = item.rpartition("=")
+            if not regex:
+                raise ValueError(f"{item!r} has no ={what}; write REGEX={what}, e.g. down_proj={32 if what == 'R' else 64}")
+            try:
+                re.compile(regex)
+                number = int(value) if what == "R" else float(value)
+            except re.error as e:
+                raise ValueError(f"{regex!r} is not a regular expression ({e})") from None
+            except ValueError:
+                number = 0
+            if number <= 0:
+                kind = "a positive integer rank" if what == "R" else "a positive alpha"
+                raise ValueError(f"{item!r}: {value!r} is not {kind}; write REGEX={what}")
+        return v
+
+    @field_validator("layers_to_transform")
+    @classmethod
+    def _layers(cls, v):
+        if v is not None and (not v or min(v) < 0):
+            raise ValueError("give decoder layer indices from 0, e.g. 0 1 2; leave it out for every layer")
+        return v
+
+    @property
+    def rank_patterns(self) -> dict[str, int]:
+        """--rank-pattern as peft's rank_pattern: regex -> rank."""
+        return {k: int(v) for k, _, v in (item.rpartition("=") for item in self.rank_pattern or ())}
+
+    @property
+    def alpha_patterns(self) -> dict[str, float | int]:
+        """--alpha-pattern as peft's alpha_pattern (an integral alpha as an integer, as lora_alpha)."""
+        values = {k: float(v) for k, _, v in (item.rpartition("=") for item in self.alpha_pattern or ())}
+        return {k: int(v) if v.is_integer() else v for k, v in values.items()}
 
     @property
     def lora_alpha(self) -> float | int:

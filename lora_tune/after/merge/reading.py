@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -196,6 +196,7 @@ class DiskAdapter:
     replacements: dict[str, torch.Tensor]  # disk name -> trained copy (modules_to_save)
     transposed: set[str]  # disk names of weights stored (in, out): GPT-2-style Conv1D
     layout: CheckpointLayout | None = None
+    rows: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)  # disk name -> (token ids, trained rows)
 
 
 class NotStreamable(Exception):
@@ -267,10 +268,28 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
         key = name.removeprefix("base_model.model.")
         if "lora_" in name:
             continue
+        token_rows = re.match(r"(.*)\.token_adapter\.trainable_tokens_delta$", key)
+        if token_rows:  # --trainable-tokens: the embedding's trained rows (peft's TrainableTokensLayer)
+            key = f"{token_rows.group(1)}.weight"
+            if not layout.is_renaming(key):
+                raise UserError(f"--adapter: {key} (trainable tokens) is not one tensor in the base; merge can't replace its rows")
+            out.rows[layout.groups[key][0]] = (token_indices(config, token_rows.group(1)), tensor)
+            continue
         if not layout.is_renaming(key):
             raise UserError(f"--adapter: {key} (modules_to_save) is not stored as one tensor in the base; merge can't replace it")
         out.replacements[layout.groups[key][0]] = tensor
     return out
+
+
+def token_indices(config: dict, module: str) -> list[int]:
+    """The token ids whose rows a trainable-tokens layer on `module` trained: peft's
+    trainable_token_indices, a list (the input embedding's) or a mapping from module names."""
+    indices = config.get("trainable_token_indices")
+    if isinstance(indices, dict):
+        indices = indices.get(get_pattern_key(list(indices), module), indices.get(module.rsplit(".", 1)[-1]))
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise UserError(f"--adapter: trainable tokens on {module}, but trainable_token_indices = {indices!r} names no token ids for it")
+    return indices
 
 
 def named_adapter(config: dict, weights: dict[str, torch.Tensor]) -> DiskAdapter:
