@@ -29,6 +29,7 @@ from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
 from lora_tune.models import inits, sequence_parallel, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
+from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.attention import quadratic_attention_warning
 from lora_tune.models.head import chunking_refusal
@@ -133,6 +134,8 @@ def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
     data on disk: lora_tune.data.batching.passes), else None. The sharding backends count micro-steps
     themselves, and online objectives build their own batches."""
     objective = objectives.of(cfg)
+    spec = engines.spec_of(cfg)
+    adapter_types.check(cfg, partitioned=cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero))
     inits.check(cfg, needs_reference=objective.reference or bool(objective.online and cfg.beta))
     row = cfg.max_seq_len * objective.sequences_per_unit
     tokens = max(PASS_TOKENS, row)

@@ -227,6 +227,18 @@ BAD_INPUT = {
         lambda c: c.train(modules_to_save=["score_head"]),
         "--modules-to-save: score_head is not a module of this model; name one such as lm_head",
     ),
+    "unknown peft type": (lambda c: c.train(peft_type="fourier"), "--peft-type: got 'fourier'"),
+    "adalora": (lambda c: c.train(peft_type="adalora"), "--peft-type adalora: AdaLoRA's rank allocator (peft's update_and_allocate)"),
+    "lora-only option with another type": (
+        lambda c: c.train(peft_type="oft", dora=True),
+        "--dora is a LoRA option; --peft-type oft has no such thing: leave it out (or use --peft-type lora)",
+    ),
+    "loraplus with another type": (lambda c: c.train(peft_type="loha", loraplus_lr_ratio=16), "--loraplus-lr-ratio is a LoRA option"),
+    "type without bitsandbytes layers": (
+        lambda c: c.train(peft_type="loha", precision="4bit"),
+        "--peft-type loha: peft has no bitsandbytes layers for loha, so it can't adapt a 4bit base",
+    ),
+    "type under fsdp": (lambda c: c.train(peft_type="oft", backend="fsdp"), "--peft-type oft: this backend streams or partitions the base"),
     "loraplus ratio 0": (
         lambda c: c.train(loraplus_lr_ratio=0),
         "--loraplus-lr-ratio: must be > 0 (got 0.0); the LoRA+ paper uses 16; leave it out for plain LoRA",

@@ -59,6 +59,7 @@ class AdapterFacts:
     # changes (from the adapter's tensors); at train time, ["--train-vision"] when that is asked for.
     vision_modules: list[str] = field(default_factory=list)
     trainable_tokens: bool = False  # peft's trainable_token_indices: embedding rows trained in place
+    peft_type: str = "LORA"  # another adapter type (OFT, LoHa, ...): servers that load adapters take LoRA only
 
     @classmethod
     def from_adapter_config(cls, config: dict, model_type: str) -> AdapterFacts:
@@ -77,6 +78,7 @@ class AdapterFacts:
             alpha_pattern=bool(config.get("alpha_pattern")),
             model_type=model_type,
             trainable_tokens=bool(config.get("trainable_token_indices")),
+            peft_type=str(config.get("peft_type") or "LORA"),
         )
 
     @classmethod
@@ -90,6 +92,7 @@ class AdapterFacts:
             has_patterns=bool(getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None)),
             alpha_pattern=bool(getattr(cfg, "alpha_pattern", None)),
             trainable_tokens=bool(getattr(cfg, "trainable_tokens", None)),
+            peft_type=getattr(cfg, "peft_type", "lora").upper(),
             target_modules=list(targets.modules) if targets else list(cfg.target_modules or []),
             target_parameters=list(targets.parameters) if targets else [],
             model_type=model_type,
@@ -123,7 +126,13 @@ def _tokens(server: str, facts: AdapterFacts) -> str:
     return f"{server} takes LoRA pairs only, and {where} embedding rows (peft's trainable_token_indices); merge first (`lora-tune merge`)"
 
 
+def _not_lora(server: str, facts: AdapterFacts) -> str:
+    return f"{server} serves LoRA adapters only, not {facts.peft_type}: merge first (`lora-tune merge`), then serve the merged model"
+
+
 def vllm_problems(facts: AdapterFacts) -> list[str]:
+    if facts.peft_type != "LORA":  # vllm/lora/peft_helper.py reads LoRA configs only
+        return [_not_lora("vLLM", facts)]
     problems = []
     # vllm/lora/peft_helper.py, PEFTHelper._validate_features: "vLLM does not yet support DoRA."
     if facts.dora:
@@ -188,6 +197,8 @@ def llama_cpp_problems(facts: AdapterFacts, merged_format: str = "gguf") -> list
     """A llama.cpp LoRA GGUF holds `.lora_a` / `.lora_b` pairs per weight and one alpha (llama.cpp's
     convert_lora_to_gguf.py and llama-adapter.cpp): nothing else can travel in it. The alternative is
     the merged model, exported as `merged_format`."""
+    if facts.peft_type != "LORA":  # convert_lora_to_gguf.py converts LoRA adapters only
+        return [_not_lora("llama.cpp", facts)]
     problems = []
     merged = f"export the merged model instead (`lora-tune export RUN_DIR --format {merged_format}`)"
     if facts.model_type not in LLAMA_CPP_FAMILIES:

@@ -20,8 +20,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from lora_tune.errors import UserError
 from lora_tune.files import fsync_path, remove_tree, write_safetensors
 from lora_tune.models import inits
+from lora_tune.models.adapter_types import registry as adapter_types
+from lora_tune.models.adapter_types.registry import is_lora
 from lora_tune.models.loading import checkpointing_on
-from lora_tune.models.targets import Targets, check_adapted, lora_config, lora_layers, resolve_targets
+from lora_tune.models.targets import Targets, check_adapted, check_tuned, lora_config, lora_layers, resolve_targets
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -88,10 +90,15 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     checkpointing = checkpointing or Checkpointing.of(cfg)
     if checkpointing.enabled:
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
-    peft_model = get_peft_model(model, lora_config(cfg, targets))
+    if is_lora(cfg):
+        peft_model = get_peft_model(model, lora_config(cfg, targets))
+        check_adapted(wanted, peft_model, cfg)
+    else:  # another type (lora_tune.models.adapter_types): peft initialises it from the run's seed, the same on every rank
+        torch.manual_seed(cfg.seed)
+        peft_model = get_peft_model(model, adapter_types.peft_config(cfg, targets.peft_target_modules(), model.config.model_type))
+        check_tuned(wanted, peft_model)
     if checkpointing.enabled:
         require_grads_from_text_embeddings(model)
-    check_adapted(wanted, peft_model, cfg)
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed
     peft_model.lora_tune_init = cfg.init_lora_weights
@@ -153,8 +160,10 @@ def check_adapter_state(state: dict[str, torch.Tensor], lora_cfg) -> None:
         if t.numel() == 0:
             raise RuntimeError(f"adapter tensor {name} is empty (shape {tuple(t.shape)}); refusing to write it")
         # r rows; fused expert tensors (target_parameters) stack one rank-r factor per expert.
+        if "lora_A" not in name:
+            continue
         rows_ok = t.shape[0] % lora_cfg.r == 0 if lora_cfg.target_parameters else t.shape[0] == lora_cfg.r
-        if "lora_A" in name and not rows_ok and not lora_cfg.rank_pattern:
+        if not rows_ok and not lora_cfg.rank_pattern:
             raise RuntimeError(f"adapter tensor {name} has shape {tuple(t.shape)}, expected rank {lora_cfg.r} rows")
 
 

@@ -66,6 +66,14 @@ class LoraOptions(Options):
 
     section = "LoRA"
 
+    peft_type: Literal["lora", "oft", "boft", "loha", "lokr", "vera", "ia3", "adalora", "miss", "hra"] = Field(
+        "lora",
+        json_schema_extra=ADAPTER_SHAPE,
+        description="peft's adapter type: lora (default), oft, boft, loha, lokr, vera, ia3, miss, hra (adalora is refused, "
+        "saying why). --rank/--alpha/--dropout go to the type's own knobs (OFT/BOFT: block size; IA3: none), an unused one "
+        "said once; LoRA-only options are refused with another type. One process or ZeRO-1/2; merged through peft; vLLM and "
+        "llama.cpp serve LoRA only (merge first).",
+    )
     rank: int = Field(
         16,
         gt=0,

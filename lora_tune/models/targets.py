@@ -16,6 +16,7 @@ import peft
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import get_pattern_key
 from transformers.pytorch_utils import Conv1D
 
@@ -450,6 +451,17 @@ def check_adapted(wanted: set[str], peft_model, cfg) -> None:
     mismatch = adaptation_mismatch(expected_ranks(wanted, cfg), adapted_weights(peft_model))
     if mismatch:
         raise UserError(f"--target-modules: peft did not adapt this model as asked ({mismatch}); pass --target-modules explicitly")
+
+
+def check_tuned(wanted: set[str], peft_model) -> None:
+    """After injecting another adapter type: it adapts exactly the linears asked for."""
+    tuned = {f"{base_name(name)}.weight" for name, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)}
+    if tuned != wanted:
+        missing, extra = sorted(wanted - tuned), sorted(tuned - wanted)
+        raise UserError(
+            f"--peft-type: peft did not adapt this model as asked ({len(missing)} left out, {len(extra)} added, e.g. "
+            f"{(missing or extra)[0]}); pass --target-modules with linear layers only"
+        )
 
 
 def lora_config(cfg, targets: Targets):

@@ -116,6 +116,8 @@ COMPILED = {"fsdp-fp32-compiled": dict(backend="fsdp", compile=True), "zero2-fp3
 # (tests/training/test_compilation.py, 20 steps).
 COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 2}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
+# Another adapter type (LoHa) under ZeRO-2, resumed from step 2 (the RESUMED pattern; its tensors are not LoRA pairs).
+TYPED = {"zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2)}
 # LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards and DeepSpeed's CPU Adam on offloaded states.
 LORAPLUS = {"fsdp-loraplus": dict(backend="fsdp"), "zero3-offload-loraplus": dict(zero=3, offload="cpu")}
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
@@ -204,6 +206,11 @@ def jobs(tiny_model, tmp_path_factory):
     mixtral = build_family("mixtral", root / "mixtral-base")
     add("fsdp-4bit-mixtral", fast_train_args(mixtral, data, root / "fsdp-4bit-mixtral", **MOE_ARGS, backend="fsdp"))
     add("zero2-eval", fast_train_args(tiny_model, data, root / "zero2-eval", **RUN_ARGS, zero=2, lr=5e-2, eval_split=0.25, eval_steps=2))
+    for name, kw in TYPED.items():
+        add(name, fast_train_args(tiny_model, data, root / name, **RUN_ARGS, **kw))
+        names.append(None)
+        todo.append({"copy": [str(root / name / "checkpoint-2"), str(root / f"{name}-resumed")], "files": ["lora_tune_config.yaml"]})
+        add(f"{name}-resumed", fast_train_args(tiny_model, data, root / f"{name}-resumed", **RUN_ARGS, **kw, resume=True))
     for name, kw in LORAPLUS.items():
         add(name, fast_train_args(tiny_model, data, root / name, **LORAPLUS_RUN, **kw, grad_accum=1, loraplus_lr_ratio=LORAPLUS_RATIO))
     add("fsdp-kill-reference", fast_train_args(tiny_model, data, root / "fsdp-kill-reference", **KILL_ARGS, backend="fsdp"))
@@ -365,6 +372,17 @@ def test_fsdp_with_several_ranks_equals_one_process_bit_for_bit(jobs, tiny_model
     a, b = adapter(out), adapter(one)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name", list(TYPED))
+def test_another_adapter_type_trains_on_two_ranks_and_resumes_bit_identical(name, jobs):
+    full, err = run_of(jobs, name)
+    resumed, resumed_err = run_of(jobs, f"{name}-resumed")
+    assert "deepspeed backend" in err and "resumed from" in resumed_err
+    tensors = adapter(full)
+    assert tensors and all("hada_" in k for k in tensors)
+    assert_bit_identical(tensors, adapter(resumed))
+    assert step_losses(full)[-1] < step_losses(full)[0]
 
 
 @pytest.mark.parametrize("name", list(LORAPLUS))

@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from transformers.pytorch_utils import Conv1D
 
 from lora_tune.errors import UserError, first_line
+from lora_tune.models.adapter_types.registry import TYPES
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import load_config
@@ -31,6 +32,9 @@ from lora_tune.training import checkpoint as ckpt
 from lora_tune.training.run_folder import ADAPTER_FILES
 
 log = logging.getLogger("lora_tune")
+
+# peft's names of the other adapter types lora-tune trains (lora_tune.models.adapter_types): peft merges them.
+OTHER_TYPES = tuple(name.upper() for name in TYPES if name != "lora")
 
 
 @dataclass
@@ -110,6 +114,8 @@ def check_adapter_config(config, path: Path, option: str = "--adapter") -> None:
 
     if not isinstance(config, dict):
         raise bad(f"holds a JSON {type(config).__name__}, not an object")
+    if config.get("peft_type") in OTHER_TYPES:
+        return  # merged through peft's own merge_and_unload, which reads its own config
     if config.get("peft_type") != "LORA":
         raise UserError(f"{option}: {path.parent} holds a {config.get('peft_type')} adapter; lora-tune reads LoRA adapters only")
     r = config.get("r")
