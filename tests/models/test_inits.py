@@ -15,8 +15,10 @@ from transformers import AutoModelForCausalLM
 from lora_tune.cli import main
 from lora_tune.config import TrainConfig
 from lora_tune.data.prepare import prepare_data
+from lora_tune.errors import UserError
 from lora_tune.models import inits
-from lora_tune.models.loading import load_tokenizer
+from lora_tune.models.adapter import add_lora
+from lora_tune.models.loading import load_base_model, load_tokenizer
 
 from helpers import ALPACA, adapter_tensors, assert_bit_identical, fast_train_args, read_metrics, run_cli, step_losses, write_jsonl
 
@@ -107,3 +109,18 @@ def test_a_pissa_run_resumes_exactly_from_its_converted_checkpoint(runs, tiny_mo
     assert code == 0 and "resumed from" in err, err
     assert_bit_identical(adapter_tensors(straight), adapter_tensors(resumed))
     assert step_losses(straight) == step_losses(resumed)
+
+
+def test_a_converted_adapter_from_another_start_is_refused_in_one_line(runs, tiny_model):
+    """Resume reads the trained half of [A; A0]; the other half must be this run's A0 on this base."""
+    cfg = TrainConfig(**yaml.safe_load((runs["root"] / "pissa" / "lora_tune_config.yaml").read_text()))
+    peft_model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, str(tiny_model))
+    path = runs["root"] / "pissa" / "adapter_model.safetensors"
+    saved = adapter_tensors(runs["root"] / "pissa")
+    own = inits.own_form(saved, peft_model, path)
+    assert all(own[k].shape[0 if "lora_A" in k else 1] == 4 for k in own)
+    key = next(k for k in saved if "lora_A" in k)
+    saved[key] = saved[key].clone()
+    saved[key][-1] += 1  # a row of A0 that is not this init's
+    with pytest.raises(UserError, match=f"{key} did not start from this run's initial adapter"):
+        inits.own_form(saved, peft_model, path)
