@@ -73,3 +73,9 @@ def test_a_type_resumes_exactly(name, runs, tiny_model, tmp_path, capsys):
     code, _, err = run_cli(fast_train_args(tiny_model, runs["data"], resumed, **args, resume=True), capsys)
     assert code == 0 and "resumed from" in err, err
     assert_bit_identical(adapter_tensors(straight), adapter_tensors(resumed))
+
+
+@pytest.mark.parametrize("fmt,out", [("gguf", "model.gguf"), ("gguf-lora", "adapter.gguf")])
+def test_export_of_another_type_says_merge_first(fmt, out, runs, tmp_path, capsys):
+    code, _, err = run_cli(["export", runs["root"] / "oft", "--format", fmt, "--output", tmp_path / out], capsys)
+    assert code == 2 and "holds a OFT adapter, not LoRA pairs, which this reads: merge it first" in single_error_line(err)

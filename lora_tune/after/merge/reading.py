@@ -219,6 +219,11 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
     ParamWrappers, rank and alpha patterns, peft's rewrites included, as PeftModel.from_pretrained
     would see them); the disk names come from transformers' conversion mapping. None for a model
     transformers doesn't implement (remote code): its adapter names are taken as the disk names."""
+    if config.get("peft_type") in OTHER_TYPES:  # `merge` hands these to peft before asking for LoRA pairs
+        raise UserError(
+            f"--adapter: {adapter_dir} holds a {config['peft_type']} adapter, not LoRA pairs, which this reads: merge it first "
+            "(`lora-tune merge`), then export or serve the merged folder"
+        )
     model_config = load_config(str(base), trust_remote_code)
     if model_class(model_config) is None:
         return None
