@@ -32,6 +32,7 @@ def initialise(layer, init: str | None) -> None:
     """One LoRA layer's initial values by peft's per-layer init `init` (None: peft's default, Kaiming A
     and zero B), drawn from the caller's seeded generator. An init that changes the base keeps its
     (A0, B0) on the layer for the conversion at save time."""
+    device = layer.lora_A["default"].weight.device  # where the layer's LoRA weights live (filled, not meta)
     if init is None or init == "gaussian":
         layer.reset_lora_parameters("default", init_lora_weights=True if init is None else init)
     elif init == "orthogonal":
@@ -42,7 +43,6 @@ def initialise(layer, init: str | None) -> None:
         layer.olora_init("default")
     else:
         raise ValueError(f"unknown LoRA init {init}")
-    device = layer.get_base_layer().weight.device
     for part in (layer.lora_A["default"], layer.lora_B["default"]):
         part.to(device)  # orthogonal_init makes new parameters on the default device
     if changes_base(init):

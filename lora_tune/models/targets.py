@@ -247,11 +247,18 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
 
 
 def check_parameter_options(targets: Targets, cfg) -> None:
-    """peft adapts target_parameters without dropout or DoRA: refused in one line."""
+    """peft adapts target_parameters without dropout, DoRA or a weight-based init: refused in one line."""
     if targets.parameters and getattr(cfg, "dropout", 0):
         raise UserError(
             f"--dropout {cfg.dropout}: LoRA on {', '.join(targets.parameters)} (fused expert/router tensors, peft's target_parameters) "
             "works only without dropout; pass --dropout 0, or leave them out with --target-modules " + " ".join(targets.modules)
+        )
+    init = getattr(cfg, "init_lora_weights", None)
+    if targets.parameters and init not in (None, "gaussian"):
+        raise UserError(
+            f"--init-lora-weights {init}: peft's init works on a linear layer's weight, and fused expert/router tensors "
+            f"({', '.join(targets.parameters)}) are not one; use gaussian, or leave them out with --target-modules "
+            + " ".join(targets.modules)
         )
     if targets.parameters and getattr(cfg, "dora", False):
         raise UserError(

@@ -61,12 +61,15 @@ def test_targets_outside_the_model_are_refused_with_its_own_list(gpt2_and_mixtra
         resolve_targets(meta_model(gpt2_and_mixtral["gpt2"]), options(target_modules=["q_proj"]))
 
 
-def test_expert_tensors_refuse_dropout_and_dora(gpt2_and_mixtral):
+def test_expert_tensors_refuse_dropout_dora_and_weight_based_inits(gpt2_and_mixtral):
     skeleton = meta_model(gpt2_and_mixtral["mixtral"])
     with pytest.raises(UserError, match="--dropout 0.05: LoRA on mlp.experts"):
         resolve_targets(skeleton, options(dropout=0.05))
     with pytest.raises(UserError, match="--dora: peft has no DoRA for fused expert/router tensors"):
         resolve_targets(skeleton, options(dora=True))
+    with pytest.raises(UserError, match="--init-lora-weights pissa: peft's init works on a linear layer's weight"):
+        resolve_targets(skeleton, options(init_lora_weights="pissa"))
+    assert resolve_targets(skeleton, options(init_lora_weights="gaussian")).parameters  # A's values alone: fine for experts
 
 
 def test_pefts_moe_target_rewrite_is_avoided_so_every_requested_linear_is_adapted():
