@@ -27,8 +27,9 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
-from lora_tune.models import sequence_parallel, tiled_mlp
+from lora_tune.models import inits, sequence_parallel, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
+from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.attention import quadratic_attention_warning
 from lora_tune.models.head import chunking_refusal
@@ -46,7 +47,7 @@ from lora_tune.models.loading import (
 from lora_tune.models.processors import ImageText, load_image_text
 from lora_tune.models.shards import base_fingerprint
 from lora_tune.models.structure import is_image_text
-from lora_tune.models.targets import lora_targets
+from lora_tune.models.targets import lora_targets, token_ids
 from lora_tune.planner.run_plan import memory_plan
 from lora_tune.training import compilation
 from lora_tune.training.generation import registry as generation
@@ -133,6 +134,9 @@ def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
     data on disk: lora_tune.data.batching.passes), else None. The sharding backends count micro-steps
     themselves, and online objectives build their own batches."""
     objective = objectives.of(cfg)
+    spec = engines.spec_of(cfg)
+    adapter_types.check(cfg, partitioned=cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero))
+    inits.check(cfg, needs_reference=objective.reference or bool(objective.online and cfg.beta))
     row = cfg.max_seq_len * objective.sequences_per_unit
     tokens = max(PASS_TOKENS, row)
     if device.type != "cpu" or engines.spec_of(cfg).multi_process or objective.online or cfg.micro_batch_size * row <= tokens:
@@ -216,7 +220,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         cfg = cfg.model_copy(update={"gradient_checkpointing": "off"})
     if cfg.train_vision and not is_image_text(config):
         raise UserError("--train-vision: the base is a text-only model (no vision tower); leave it out")
-    targets = lora_targets(cfg, config)
+    targets = lora_targets(cfg, config, token_ids(cfg, tokenizer))
     check_init_adapter(cfg, targets)
     serving.check_config(cfg, targets, config.model_type)
     serving.check_rollout(cfg, targets, config.model_type)

@@ -90,6 +90,24 @@ def fast_train_args(base: Path, data: Path, out: Path, **overrides) -> list[str]
     return args
 
 
+# LoRA+ (tests/engines/test_common.py, test_sharded_runs.py): one step from B = 0 (no clipping: the
+# same gradients scale the same way in a LoRA+ run and a plain one).
+LORAPLUS_RATIO, LORAPLUS_LR = 4.0, 1e-3
+LORAPLUS_RUN = dict(max_steps=1, lr=LORAPLUS_LR, max_grad_norm=0, micro_batch_size=2, optim="adamw", dropout=0.0)
+
+
+def assert_loraplus_first_step(plus: dict, plain: dict) -> None:
+    """`plus` (LoRA+ at LORAPLUS_RATIO) and `plain`: one AdamW step from the same start and gradients."""
+    assert plus.keys() == plain.keys()
+    b_keys = [k for k in plus if "lora_B" in k]
+    assert b_keys and all(torch.equal(plus[k], plain[k]) for k in plus if "lora_A" in k)
+    for k in b_keys:
+        torch.testing.assert_close(plus[k], LORAPLUS_RATIO * plain[k], rtol=1e-5, atol=0)
+    b = torch.cat([plus[k].flatten() for k in b_keys]).abs()
+    moved_by_r_lr = ((b - LORAPLUS_RATIO * LORAPLUS_LR).abs() <= 1e-4 * LORAPLUS_RATIO * LORAPLUS_LR).float().mean()
+    assert moved_by_r_lr > 0.9  # the tiny model's few tokens leave some gradients near eps
+
+
 def single_error_line(err: str) -> str:
     """The stderr of a refused command: exactly one line, starting with 'error:', no traceback."""
     lines = [line for line in err.strip().splitlines() if line.startswith("error:")]

@@ -141,3 +141,14 @@ def test_vlm_vs_trl_trains_both_routes_on_a_tiny_image_text_model(tmp_path):
     assert results["lora-tune train"]["tokens"] == results["TRL SFTTrainer"]["tokens"] > 0
     ratio = next(line for line in proc.stdout.splitlines() if line.startswith("lora-tune vs TRL SFTTrainer:"))
     assert "x (whole process)" in ratio and "x (training)" in ratio and "peak RSS" in ratio
+
+
+def test_peft_methods_runs_each_method_against_hf_trainer_on_a_tiny_shape(tmp_path):
+    proc = run_tiny("peft_methods.py", tmp_path)
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [(r[0].removeprefix("| "), r[1]) for r in rows] == [
+        (method, route) for method in ("lora", "pissa_niter_4", "oft") for route in ("lora-tune", "HF Trainer + PEFT")
+    ]
+    for ours, theirs in zip(rows[::2], rows[1::2]):
+        assert ours[2] == theirs[2] and int(ours[2].replace(",", "")) > 0  # the same peft config: the same trainable parameters
+        assert all(math.isfinite(float(r[5])) and float(r[6].removesuffix(" |")) > 0 for r in (ours, theirs))

@@ -21,6 +21,7 @@ from lora_tune.after.merge.reading import latest_adapter, read_adapter
 from lora_tune.errors import UserError, first_line
 from lora_tune.models import shards
 from lora_tune.models.aliases import ALIASES, architecture
+from lora_tune.models.inits import changes_base
 from lora_tune.training.generation.vllm_api import VLLM_DEFAULT_MAX_LORA_RANK, VLLM_MAX_LORA_RANKS, vllm_max_lora_rank
 
 log = logging.getLogger("lora_tune")
@@ -57,6 +58,8 @@ class AdapterFacts:
     # An image-text base: the modules outside its language model (vision tower, projector) the adapter
     # changes (from the adapter's tensors); at train time, ["--train-vision"] when that is asked for.
     vision_modules: list[str] = field(default_factory=list)
+    trainable_tokens: bool = False  # peft's trainable_token_indices: embedding rows trained in place
+    peft_type: str = "LORA"  # another adapter type (OFT, LoHa, ...): servers that load adapters take LoRA only
 
     @classmethod
     def from_adapter_config(cls, config: dict, model_type: str) -> AdapterFacts:
@@ -74,13 +77,22 @@ class AdapterFacts:
             rslora=bool(config.get("use_rslora")),
             alpha_pattern=bool(config.get("alpha_pattern")),
             model_type=model_type,
+            trainable_tokens=bool(config.get("trainable_token_indices")),
+            peft_type=str(config.get("peft_type") or "LORA"),
         )
 
     @classmethod
     def from_train(cls, cfg, targets, model_type: str) -> AdapterFacts:
         return cls(
-            rank=cfg.rank,
+            # PiSSA / OLoRA adapters are written as rank-2r LoRAs of the original base (lora_tune.models.inits)
+            rank=max([cfg.rank, *getattr(cfg, "rank_patterns", {}).values()])
+            * (2 if changes_base(getattr(cfg, "init_lora_weights", None)) else 1),
             dora=cfg.dora,
+            modules_to_save=list(getattr(cfg, "modules_to_save", None) or []),
+            has_patterns=bool(getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None)),
+            alpha_pattern=bool(getattr(cfg, "alpha_pattern", None)),
+            trainable_tokens=bool(getattr(cfg, "trainable_tokens", None)),
+            peft_type=getattr(cfg, "peft_type", "lora").upper(),
             target_modules=list(targets.modules) if targets else list(cfg.target_modules or []),
             target_parameters=list(targets.parameters) if targets else [],
             model_type=model_type,
@@ -109,7 +121,18 @@ def _merge_then_serve(facts: AdapterFacts) -> str:
     )
 
 
+def _tokens(server: str, facts: AdapterFacts) -> str:
+    where = "--trainable-tokens trains" if facts.at_train_time else "this adapter holds"
+    return f"{server} takes LoRA pairs only, and {where} embedding rows (peft's trainable_token_indices); merge first (`lora-tune merge`)"
+
+
+def _not_lora(server: str, facts: AdapterFacts) -> str:
+    return f"{server} serves LoRA adapters only, not {facts.peft_type}: merge first (`lora-tune merge`), then serve the merged model"
+
+
 def vllm_problems(facts: AdapterFacts) -> list[str]:
+    if facts.peft_type != "LORA":  # vllm/lora/peft_helper.py reads LoRA configs only
+        return [_not_lora("vLLM", facts)]
     problems = []
     # vllm/lora/peft_helper.py, PEFTHelper._validate_features: "vLLM does not yet support DoRA."
     if facts.dora:
@@ -123,6 +146,8 @@ def vllm_problems(facts: AdapterFacts) -> list[str]:
             f"vLLM refuses modules_to_save ({', '.join(facts.modules_to_save)}) (peft_helper: 'only supports modules_to_save "
             "being None'); merge, then serve the merged model"
         )
+    if facts.trainable_tokens:  # PEFTHelper reads LoRA pairs and embeddings only: the trained rows would be dropped
+        problems.append(_tokens("vLLM", facts))
     # PEFTHelper.validate_legal: "Adapter bias cannot be used without bias_enabled"; lora-tune never trains biases.
     if facts.bias != "none":
         problems.append(
@@ -172,6 +197,8 @@ def llama_cpp_problems(facts: AdapterFacts, merged_format: str = "gguf") -> list
     """A llama.cpp LoRA GGUF holds `.lora_a` / `.lora_b` pairs per weight and one alpha (llama.cpp's
     convert_lora_to_gguf.py and llama-adapter.cpp): nothing else can travel in it. The alternative is
     the merged model, exported as `merged_format`."""
+    if facts.peft_type != "LORA":  # convert_lora_to_gguf.py converts LoRA adapters only
+        return [_not_lora("llama.cpp", facts)]
     problems = []
     merged = f"export the merged model instead (`lora-tune export RUN_DIR --format {merged_format}`)"
     if facts.model_type not in LLAMA_CPP_FAMILIES:
@@ -185,6 +212,8 @@ def llama_cpp_problems(facts: AdapterFacts, merged_format: str = "gguf") -> list
         problems.append(f"a llama.cpp LoRA adapter can't carry modules_to_save ({', '.join(facts.modules_to_save)}); {merged}")
     if facts.bias != "none":
         problems.append(f"a llama.cpp LoRA adapter has no LoRA bias; {merged}")
+    if facts.trainable_tokens:
+        problems.append(_tokens("a llama.cpp LoRA adapter", facts))
     if facts.target_parameters:
         problems.append(
             f"a llama.cpp LoRA adapter can't carry fused expert tensors ({', '.join(facts.target_parameters)}); {_merge_then_serve(facts)}"
@@ -261,11 +290,12 @@ def check_config(cfg, targets, model_type: str) -> None:
     engine = getattr(cfg, "serve_with", None)
     if not engine:
         return
-    problems = problems_for(engine, AdapterFacts.from_train(cfg, targets, model_type))
+    facts = AdapterFacts.from_train(cfg, targets, model_type)
+    problems = problems_for(engine, facts)
     if problems:
         raise UserError(f"--serve-with {engine}: " + "; ".join(problems))
-    if engine == "vllm" and vllm_max_lora_rank(cfg.rank) > VLLM_DEFAULT_MAX_LORA_RANK:
-        log.info("--serve-with vllm: rank %d needs vLLM started with --max-lora-rank %d", cfg.rank, vllm_max_lora_rank(cfg.rank))
+    if engine == "vllm" and vllm_max_lora_rank(facts.rank) > VLLM_DEFAULT_MAX_LORA_RANK:
+        log.info("--serve-with vllm: rank %d needs vLLM started with --max-lora-rank %d", facts.rank, vllm_max_lora_rank(facts.rank))
 
 
 def check_rollout(cfg, targets, model_type: str) -> None:

@@ -18,7 +18,22 @@ from lora_tune.engines import state as state_files
 from lora_tune.models.loading import compute_dtype
 
 
+def param_groups(named, lr: float, loraplus_lr_ratio: float | None) -> list:
+    """What the optimizer steps, from (name, tensor) pairs: the tensors (one group at --lr), or with
+    LoRA+ peft's `create_loraplus_optimizer` grouping: B matrices and 1-d tensors (DoRA magnitudes)
+    at ratio x lr, everything else (A matrices) at lr. Each group records its `lr_ratio`, which the
+    checkpoint keeps, so a resumed schedule restores every group's own rate (resumed_scheduler)."""
+    named = list(named)
+    if loraplus_lr_ratio is None:
+        return [p for _, p in named]
+    b = [p for n, p in named if "lora_B" in n or p.ndim == 1]
+    a = [p for n, p in named if not ("lora_B" in n or p.ndim == 1)]
+    groups = ({"params": a, "lr": lr, "lr_ratio": 1.0}, {"params": b, "lr": lr * loraplus_lr_ratio, "lr_ratio": loraplus_lr_ratio})
+    return [g for g in groups if g["params"]]  # DeepSpeed's ZeRO can't flatten an empty group
+
+
 def build_optimizer(name: str, params, lr: float, weight_decay: float):
+    """`params`: tensors, or param_groups' groups (each with its own lr)."""
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if name == "adamw_8bit":
@@ -45,10 +60,12 @@ def resumed_scheduler(cfg, scheduler, saved_schedule: dict) -> LambdaLR:
     --allow-config-change) would be ignored and the first resumed step would run at the old
     schedule's rate; instead both are set from the config, and the schedule this run built (its
     --lr-scheduler, warmup and length) is positioned at the step the checkpoint's schedule reached,
-    each group's rate evaluated there. With nothing changed, every value equals the saved one."""
+    each group's rate evaluated there. A group's own multiple of --lr (LoRA+'s B group: its
+    `lr_ratio`, kept in the checkpoint) stays its own. With nothing changed, every value equals the
+    saved one."""
     optimizer = scheduler.optimizer
     for group in optimizer.param_groups:
-        group.update(initial_lr=cfg.lr, weight_decay=cfg.weight_decay)
+        group.update(initial_lr=cfg.lr * group.get("lr_ratio", 1.0), weight_decay=cfg.weight_decay)
     # Built at last_epoch = step - 1, a LambdaLR takes its initial step to `step` (torch's API).
     return LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=saved_schedule["last_epoch"] - 1)
 

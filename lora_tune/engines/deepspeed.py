@@ -184,7 +184,10 @@ class DeepSpeedEngine:
         return skeleton
 
     def _lora_params(self):
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return [p for _, p in self._named_lora_params()]
+
+    def _named_lora_params(self):
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def load_adapter(self, path: Path) -> None:
         if self.zero3:
@@ -200,7 +203,7 @@ class DeepSpeedEngine:
 
         cfg = self.cfg
         self.model = model
-        params = self._lora_params()
+        params = common.param_groups(self._named_lora_params(), cfg.lr, cfg.loraplus_lr_ratio)
         if cfg.offload != "none":
             # Offloaded optimizer states live in host RAM and are stepped there: bitsandbytes'
             # 8-bit AdamW only runs where the states are on the device, so DeepSpeed's vectorised

@@ -18,7 +18,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import distribute_tensor
@@ -28,7 +27,7 @@ from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import BackendSpec, ModelStates, Placement, share
 from lora_tune.errors import UserError
 from lora_tune.models import layerwise
-from lora_tune.models.adapter import materialize_lora, trainable_state_dict
+from lora_tune.models.adapter import materialize_lora, read_adapter, trainable_state_dict
 
 
 def refusal(precision: str, stage: int, offload: str) -> str | None:
@@ -107,7 +106,7 @@ class FSDPEngine:
         )
         model = add_adapter(skeleton)
         policies = self._policies()
-        seed = model.peft_model.lora_tune_seed
+        seed, init = model.peft_model.lora_tune_seed, model.peft_model.lora_tune_init
         # Offloaded shards live on the host; the layers are still filled (and quantized) on the device.
         layerwise.load_layer_by_layer(
             model,
@@ -118,9 +117,9 @@ class FSDPEngine:
             # root comes last as the wrapper itself: its LoRA layers (an image-text model's vision
             # tower under --train-vision) are named from the peft model inside it.
             init_adapter=lambda unit, name: (
-                materialize_lora(unit.peft_model, "", seed, self.device)
+                materialize_lora(unit.peft_model, "", seed, self.device, init)
                 if unit is model
-                else materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device)
+                else materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device, init)
             ),
             partition=lambda layer: fully_shard(layer, **policies),
             partition_root=lambda root: fully_shard(root, **policies),
@@ -138,10 +137,7 @@ class FSDPEngine:
     def load_adapter(self, path: Path) -> None:
         """The saved (whole) adapter, split into this rank's shards."""
         file = path / "adapter_model.safetensors"
-        try:
-            saved = load_file(str(file))
-        except Exception as e:  # noqa: BLE001 - SafetensorError, OSError for a truncated file
-            raise UserError(f"{file} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
+        saved = read_adapter(self.model.peft_model, file)
         for name, p in self._lora_params():
             key = name.removeprefix("peft_model.").replace(".default", "")
             if key not in saved:
@@ -153,10 +149,12 @@ class FSDPEngine:
     def prepare(self, model, total_steps: int) -> None:
         cfg = self.cfg
         self.model = model
-        self.params = [p for _, p in self._lora_params()]
+        named = self._lora_params()
+        self.params = [p for _, p in named]
         # The optimizer sees each shard as a plain tensor (same storage): see the module docstring.
         self.local = [p.to_local().detach() for p in self.params]
-        self.optimizer = common.build_optimizer(cfg.optim, self.local, cfg.lr, cfg.weight_decay)
+        groups = common.param_groups([(n, local) for (n, _), local in zip(named, self.local)], cfg.lr, cfg.loraplus_lr_ratio)
+        self.optimizer = common.build_optimizer(cfg.optim, groups, cfg.lr, cfg.weight_decay)
         self.scheduler = common.build_scheduler(cfg, self.optimizer, total_steps)
 
     # --- steps ---------------------------------------------------------------------------------

@@ -59,8 +59,11 @@ class SingleDeviceEngine:
 
     def prepare(self, model, total_steps: int) -> None:
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = common.build_optimizer(self.cfg.optim, self.params, self.cfg.lr, self.cfg.weight_decay)
+        cfg = self.cfg
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        groups = common.param_groups(named, cfg.lr, cfg.loraplus_lr_ratio)
+        self.optimizer = common.build_optimizer(cfg.optim, groups, cfg.lr, cfg.weight_decay)
         self.scheduler = common.build_scheduler(self.cfg, self.optimizer, total_steps)
 
     # --- steps ---------------------------------------------------------------------------------

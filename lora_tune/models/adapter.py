@@ -19,8 +19,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lora_tune.errors import UserError
 from lora_tune.files import fsync_path, remove_tree, write_safetensors
+from lora_tune.models import inits
+from lora_tune.models.adapter_types import registry as adapter_types
+from lora_tune.models.adapter_types.registry import is_lora
 from lora_tune.models.loading import checkpointing_on
-from lora_tune.models.targets import Targets, check_adapted, lora_config, lora_layers, resolve_targets
+from lora_tune.models.targets import Targets, check_adapted, check_tuned, lora_config, lora_layers, resolve_targets
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -87,15 +90,21 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     checkpointing = checkpointing or Checkpointing.of(cfg)
     if checkpointing.enabled:
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
-    peft_model = get_peft_model(model, lora_config(cfg, targets))
+    if is_lora(cfg):
+        peft_model = get_peft_model(model, lora_config(cfg, targets))
+        check_adapted(wanted, peft_model, cfg)
+    else:  # another type (lora_tune.models.adapter_types): peft initialises it from the run's seed, the same on every rank
+        torch.manual_seed(cfg.seed)
+        peft_model = get_peft_model(model, adapter_types.peft_config(cfg, targets.peft_target_modules(), model.config.model_type))
+        check_tuned(wanted, peft_model)
     if checkpointing.enabled:
         require_grads_from_text_embeddings(model)
-    check_adapted(wanted, peft_model, cfg.rank)
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed
+    peft_model.lora_tune_init = cfg.init_lora_weights
     for name, layer in lora_layers(peft_model):
         if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.models.layerwise)
-            init_lora_layer(layer, name, cfg.seed)
+            init_lora_layer(layer, name, cfg.seed, cfg.init_lora_weights)
     to_fp32(peft_model)
     torch.manual_seed(cfg.seed)  # dropout draws from here: part of the seeded math
     return peft_model
@@ -111,26 +120,28 @@ def is_meta(layer) -> bool:
     return any(p.device.type == "meta" for p in layer.lora_A.parameters())
 
 
-def init_lora_layer(layer, name: str, seed: int) -> None:
-    """LoRA's initial values (A: peft's Kaiming uniform, B: zeros; DoRA: the base weight's row
-    norms) from a generator seeded by the run's seed and the layer's name. The same values come out
-    whichever order or process initialises the layers, so every backend starts from the same adapter,
-    also when the base is filled layer by layer after being sharded."""
+def init_lora_layer(layer, name: str, seed: int, init: str | None = None) -> None:
+    """LoRA's initial values (--init-lora-weights, lora_tune.models.inits; by default A: peft's
+    Kaiming uniform, B: zeros; DoRA: the base weight's row norms) from a generator seeded by the run's
+    seed and the layer's name. The same values come out whichever order or process initialises the
+    layers, so every backend starts from the same adapter, also when the base is filled layer by layer
+    before being sharded, and a resume recomputes the same (PiSSA: the same residual base)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        layer.reset_lora_parameters("default", init_lora_weights=True)
+        inits.initialise(layer, init)
     variant = getattr(layer, "lora_variant", {}).get("default")
     if variant is not None and any(p.device.type == "meta" for p in layer.lora_magnitude_vector.parameters()):
         variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight
 
 
-def materialize_lora(unit, unit_name: str, seed: int, device: torch.device) -> None:
-    """Give the meta LoRA layers inside `unit` real, seeded values on `device` (layer-by-layer loading)."""
+def materialize_lora(unit, unit_name: str, seed: int, device: torch.device, init: str | None = None) -> None:
+    """Give the meta LoRA layers inside `unit` real, seeded values on `device` (layer-by-layer loading:
+    an init that decomposes the weight does so on this one filled layer)."""
     for name, layer in lora_layers(unit, unit_name):
         if is_meta(layer):
             for part in (layer.lora_A, layer.lora_B):
                 part.to_empty(device=device)
-            init_lora_layer(layer, name, seed)
+            init_lora_layer(layer, name, seed, init)
             to_fp32(layer)
 
 
@@ -149,8 +160,10 @@ def check_adapter_state(state: dict[str, torch.Tensor], lora_cfg) -> None:
         if t.numel() == 0:
             raise RuntimeError(f"adapter tensor {name} is empty (shape {tuple(t.shape)}); refusing to write it")
         # r rows; fused expert tensors (target_parameters) stack one rank-r factor per expert.
+        if "lora_A" not in name:
+            continue
         rows_ok = t.shape[0] % lora_cfg.r == 0 if lora_cfg.target_parameters else t.shape[0] == lora_cfg.r
-        if "lora_A" in name and not rows_ok and not lora_cfg.rank_pattern:
+        if not rows_ok and not lora_cfg.rank_pattern:
             raise RuntimeError(f"adapter tensor {name} has shape {tuple(t.shape)}, expected rank {lora_cfg.r} rows")
 
 
@@ -165,6 +178,9 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
     out.mkdir(parents=True, exist_ok=True)
     lora_cfg = peft_model.peft_config["default"]
     state = trainable_state_dict(peft_model) if state is None else state
+    initial = inits.initial_state(peft_model)
+    if initial:  # PiSSA / OLoRA: written as a LoRA of the original base (lora_tune.models.inits)
+        state, lora_cfg = inits.converted(state, initial, lora_cfg)
     check_adapter_state(state, lora_cfg)
     tmp_weights = out / f".adapter_model.safetensors.tmp-{os.getpid()}"
     tmp_config_dir = out / f".adapter_config.tmp-{os.getpid()}"
@@ -183,13 +199,19 @@ def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor]
 def load_adapter_weights(peft_model, adapter_dir: str | Path) -> None:
     """Load adapter weights saved by save_adapter back into an identically configured PeftModel."""
     path = Path(adapter_dir) / "adapter_model.safetensors"
+    result = set_peft_model_state_dict(peft_model, read_adapter(peft_model, path))
+    if getattr(result, "unexpected_keys", None):
+        raise UserError(f"{path} does not match this LoRA configuration (unexpected: {result.unexpected_keys[:3]})")
+
+
+def read_adapter(peft_model, path: Path) -> dict[str, torch.Tensor]:
+    """An adapter file written by save_adapter, in the form `peft_model` trains (a converted PiSSA /
+    OLoRA adapter: its trained half, lora_tune.models.inits.own_form)."""
     try:
         state = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{path} is unreadable or truncated ({e}); delete that checkpoint to resume from an older one") from None
-    result = set_peft_model_state_dict(peft_model, state)
-    if getattr(result, "unexpected_keys", None):
-        raise UserError(f"{path} does not match this LoRA configuration (unexpected: {result.unexpected_keys[:3]})")
+    return inits.own_form(state, peft_model, path)
 
 
 def check_init_adapter(cfg: TrainConfig, targets: Targets | None) -> None:

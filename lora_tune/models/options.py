@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -44,11 +45,35 @@ class ModelOptions(Options):
 ADAPTER_SHAPE = fixed("holds adapter tensors (and their optimizer state) of that shape", from_checkpoint=False)
 
 
+# peft's init_lora_weights values (lora_tune.models.inits runs them). Those that need a statistics
+# pass over the run's first batches before the adapter goes in are refused, each saying why.
+LORA_INITS = ("gaussian", "orthogonal", "pissa", "pissa_niter_N", "olora", "eva", "corda", "loftq", "lora_ga")
+NOT_WIRED = "; lora-tune's engines don't run that pass yet. Use pissa (data-free, keeps the base's function) or leave it out"
+INIT_REFUSED = {
+    "eva": "EVA sets A from an SVD of each layer's inputs over the first batches and redistributes the ranks across layers "
+    "(peft's initialize_lora_eva_weights)" + NOT_WIRED,
+    "corda": "CorDA decomposes each weight with the covariance of its inputs over the first batches (peft's preprocess_corda)" + NOT_WIRED,
+    "lora_ga": "LoRA-GA starts from the gradients of the full base weights over the first batches (peft's preprocess_loraga: "
+    "a full fine-tune's gradient memory)" + NOT_WIRED,
+    "loftq": "LoftQ re-quantizes the base against the full-precision weights it reads from the checkpoint (peft's "
+    "replace_lora_weights_loftq), which lora-tune's quantized loading paths don't run yet. Use pissa on a bf16 base, or leave "
+    "it out",
+}
+
+
 class LoraOptions(Options):
     """The adapter's shape (read by lora_tune.models.targets and .adapter)."""
 
     section = "LoRA"
 
+    peft_type: Literal["lora", "oft", "boft", "loha", "lokr", "vera", "ia3", "adalora", "miss", "hra"] = Field(
+        "lora",
+        json_schema_extra=ADAPTER_SHAPE,
+        description="peft's adapter type: lora (default), oft, boft, loha, lokr, vera, ia3, miss, hra (adalora is refused, "
+        "saying why). --rank/--alpha/--dropout go to the type's own knobs (OFT/BOFT: block size; IA3: none), an unused one "
+        "said once; LoRA-only options are refused with another type. One process or ZeRO-1/2; merged through peft; vLLM and "
+        "llama.cpp serve LoRA only (merge first).",
+    )
     rank: int = Field(
         16,
         gt=0,
@@ -78,6 +103,44 @@ class LoraOptions(Options):
         "with --target-modules, those of the names given, in both parts). Off: they stay frozen, get no LoRA and no gradients, "
         "and target names that also match them are left out and reported.",
     )
+    init_lora_weights: str | None = Field(
+        None,
+        json_schema_extra=fixed("started from that init (PiSSA/OLoRA: training the residual base it left)"),
+        description="LoRA's initial values, peft's names: gaussian (A ~ N(0, 1/r)), orthogonal (A, B with BA = 0; even rank), "
+        "pissa (A, B from the weight's top r singular vectors, the base keeps the residual), pissa_niter_N (the same by N "
+        "subspace iterations: fast), olora (from a QR of the weight; residual base). Every one keeps the base's function at "
+        "step 0. PiSSA/OLoRA adapters are written converted to a plain LoRA of the original base (rank 2r, peft's "
+        "path_initial_model_for_weight_conversion). eva, corda, lora-ga and loftq are refused, saying why. Default: peft's "
+        "(Kaiming A, zero B). LoRA only.",
+    )
+    rank_pattern: list[str] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Other ranks for some modules: REGEX=R ..., the regex matched against module names as peft's rank_pattern "
+        "does (the full name or a dotted suffix, e.g. down_proj=32 or 'layers\\.0\\..*=8'); the first that matches wins.",
+    )
+    alpha_pattern: list[str] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="Other alphas for some modules: REGEX=A ..., matched as --rank-pattern (peft's alpha_pattern).",
+    )
+    layers_to_transform: list[int] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Adapt only these decoder layers (indices from 0; peft's layers_to_transform); default: every layer.",
+    )
+    trainable_tokens: list[str] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Train the embedding rows of these tokens (new or special tokens, as the tokenizer spells them, e.g. "
+        "'<|im_start|>'), not the whole embedding (peft's trainable_token_indices; tied output rows follow).",
+    )
+    modules_to_save: list[str] | None = Field(
+        None,
+        json_schema_extra=ADAPTER_SHAPE,
+        description="Modules trained in full beside the adapter and saved with it (peft's modules_to_save), e.g. lm_head or "
+        "embed_tokens. vLLM and llama.cpp can't take them: merge first.",
+    )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=ADAPTER_SHAPE, description="Weight-decomposed LoRA (DoRA).")
     init_adapter: str | None = Field(
@@ -93,6 +156,56 @@ class LoraOptions(Options):
         if v is not None and (not v or "lm_head" in v):
             raise ValueError("give module names such as q_proj v_proj (lm_head is never adapted); leave it out for all linear layers")
         return v
+
+    @field_validator("init_lora_weights")
+    @classmethod
+    def _init(cls, v):
+        if v is None:
+            return v
+        name = v.strip().lower().replace("-", "_")  # lora-ga as people write it, lora_ga as peft does
+        if name in INIT_REFUSED:
+            raise ValueError(f"{v} is refused: {INIT_REFUSED[name]}")
+        if name not in LORA_INITS and not re.fullmatch(r"pissa_niter_\d+", name):
+            raise ValueError(f"unknown init {v!r}; choose from {', '.join(LORA_INITS).replace('lora_ga', 'lora-ga')}")
+        return name
+
+    @field_validator("rank_pattern", "alpha_pattern")
+    @classmethod
+    def _patterns(cls, v, info):
+        what = "R" if info.field_name == "rank_pattern" else "A"
+        for item in v or ():
+            regex, _, value = item.rpartition("=")
+            if not regex:
+                raise ValueError(f"{item!r} has no ={what}; write REGEX={what}, e.g. down_proj={32 if what == 'R' else 64}")
+            try:
+                re.compile(regex)
+                number = int(value) if what == "R" else float(value)
+            except re.error as e:
+                raise ValueError(f"{regex!r} is not a regular expression ({e})") from None
+            except ValueError:
+                number = 0
+            if number <= 0:
+                kind = "a positive integer rank" if what == "R" else "a positive alpha"
+                raise ValueError(f"{item!r}: {value!r} is not {kind}; write REGEX={what}")
+        return v
+
+    @field_validator("layers_to_transform")
+    @classmethod
+    def _layers(cls, v):
+        if v is not None and (not v or min(v) < 0):
+            raise ValueError("give decoder layer indices from 0, e.g. 0 1 2; leave it out for every layer")
+        return v
+
+    @property
+    def rank_patterns(self) -> dict[str, int]:
+        """--rank-pattern as peft's rank_pattern: regex -> rank."""
+        return {k: int(v) for k, _, v in (item.rpartition("=") for item in self.rank_pattern or ())}
+
+    @property
+    def alpha_patterns(self) -> dict[str, float | int]:
+        """--alpha-pattern as peft's alpha_pattern (an integral alpha as an integer, as lora_alpha)."""
+        values = {k: float(v) for k, _, v in (item.rpartition("=") for item in self.alpha_pattern or ())}
+        return {k: int(v) if v.is_integer() else v for k, v in values.items()}
 
     @property
     def lora_alpha(self) -> float | int:

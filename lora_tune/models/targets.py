@@ -16,6 +16,8 @@ import peft
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.other import get_pattern_key
 from transformers.pytorch_utils import Conv1D
 
 from lora_tune.errors import UserError, first_line
@@ -95,6 +97,7 @@ class Targets:
     parameters: tuple[str, ...] = ()
     scope: str | None = None
     vision: tuple[str, ...] = ()  # --train-vision: the vision tower's and projector's paths, where `modules` adapt too
+    tokens: tuple[int, ...] = ()  # --trainable-tokens: the embedding rows trained (token ids)
 
     def peft_target_modules(self) -> list[str] | str:
         """What peft's LoraConfig(target_modules=...) takes (and adapter_config.json records)."""
@@ -244,11 +247,18 @@ def resolve_targets(model_or_inventory, cfg) -> Targets:
 
 
 def check_parameter_options(targets: Targets, cfg) -> None:
-    """peft adapts target_parameters without dropout or DoRA: refused in one line."""
+    """peft adapts target_parameters without dropout, DoRA or a weight-based init: refused in one line."""
     if targets.parameters and getattr(cfg, "dropout", 0):
         raise UserError(
             f"--dropout {cfg.dropout}: LoRA on {', '.join(targets.parameters)} (fused expert/router tensors, peft's target_parameters) "
             "works only without dropout; pass --dropout 0, or leave them out with --target-modules " + " ".join(targets.modules)
+        )
+    init = getattr(cfg, "init_lora_weights", None)
+    if targets.parameters and init not in (None, "gaussian"):
+        raise UserError(
+            f"--init-lora-weights {init}: peft's init works on a linear layer's weight, and fused expert/router tensors "
+            f"({', '.join(targets.parameters)}) are not one; use gaussian, or leave them out with --target-modules "
+            + " ".join(targets.modules)
         )
     if targets.parameters and getattr(cfg, "dora", False):
         raise UserError(
@@ -275,16 +285,32 @@ def adapted_weights(peft_model) -> dict[str, int]:
     return {lora_target(name, layer): layer.r["default"] for name, layer in lora_layers(peft_model)}
 
 
-def adaptation_mismatch(wanted: set[str], adapted: dict[str, int], rank: int) -> str | None:
-    """How what peft adapted differs from the base tensors asked for (all at `rank`), or None."""
-    if adapted == dict.fromkeys(wanted, rank):
+def expected_ranks(wanted: set[str], cfg) -> dict[str, int]:
+    """The base tensors asked for, each at the rank asked for: --layers-to-transform keeps those of
+    the listed decoder layers (the first index in a name), --rank-pattern sets a module's rank by
+    the first pattern that matches it as peft matches them (its full name or a dotted suffix)."""
+    patterns = getattr(cfg, "rank_patterns", None) or {}
+    layers = set(getattr(cfg, "layers_to_transform", None) or ())
+    expected = {}
+    for name in wanted:
+        module = name.rsplit(".", 1)[0]
+        index = re.search(r"\.(\d+)(?:\.|$)", module)
+        if layers and (index is None or int(index.group(1)) not in layers):
+            continue
+        expected[name] = patterns.get(get_pattern_key(list(patterns), module), cfg.rank) if patterns else cfg.rank
+    return expected
+
+
+def adaptation_mismatch(expected: dict[str, int], adapted: dict[str, int]) -> str | None:
+    """How what peft adapted differs from the base tensors asked for at their ranks, or None."""
+    if adapted == expected:
         return None
-    left_out = sorted(wanted - set(adapted))
-    added = sorted(set(adapted) - wanted)
-    ranks = sorted(k for k in wanted & set(adapted) if adapted[k] != rank)
+    left_out = sorted(set(expected) - set(adapted))
+    added = sorted(set(adapted) - set(expected))
+    ranks = sorted(k for k in set(expected) & set(adapted) if adapted[k] != expected[k])
     parts = [f"{len(left_out)} left out (e.g. {left_out[0]})"] if left_out else []
     parts += [f"{len(added)} added (e.g. {added[0]})"] if added else []
-    parts += [f"{len(ranks)} at rank {adapted[ranks[0]]} instead of {rank} (e.g. {ranks[0]})"] if ranks else []
+    parts += [f"{len(ranks)} at rank {adapted[ranks[0]]} instead of {expected[ranks[0]]} (e.g. {ranks[0]})"] if ranks else []
     return ", ".join(parts)
 
 
@@ -350,7 +376,7 @@ def peft_exact_targets(config, cfg, targets: Targets, meta: PeftOnMeta | None = 
     if not cfg.target_modules:
         targets = peft_accepted(config, cfg, targets, meta)
     wanted, adapted = probe_peft(meta, targets)
-    mismatch = adaptation_mismatch(wanted, adapted, cfg.rank)
+    mismatch = adaptation_mismatch(expected_ranks(wanted, cfg), adapted)
     if mismatch is None:
         return targets
     dropped = {linear_name(n.removesuffix(".weight")) for n in wanted - set(adapted)} & set(targets.modules)
@@ -361,7 +387,8 @@ def peft_exact_targets(config, cfg, targets: Targets, meta: PeftOnMeta | None = 
         moved = tuple(sorted({n if targets.scope else block_path(n) for n in linears} - set(targets.parameters), key=natural_order))
         modules = tuple(m for m in targets.modules if m not in dropped)
         candidate = replace(targets, modules=modules, parameters=targets.parameters + moved, scope=targets.scope if modules else None)
-        if adaptation_mismatch(*probe_peft(meta, candidate), cfg.rank) is None:
+        candidate_wanted, candidate_adapted = probe_peft(meta, candidate)
+        if adaptation_mismatch(expected_ranks(candidate_wanted, cfg), candidate_adapted) is None:
             if cfg.precision in ("8bit", "4bit"):
                 raise UserError(
                     f"--precision {cfg.precision}: peft rewrites the LoRA targets of {config.model_type} models ({mismatch}); the way "
@@ -426,11 +453,22 @@ def check_loads_back(config, cfg, targets: Targets, meta: PeftOnMeta | None = No
         )
 
 
-def check_adapted(wanted: set[str], peft_model, rank: int) -> None:
+def check_adapted(wanted: set[str], peft_model, cfg) -> None:
     """After injection: what peft adapted is exactly what was asked (and what `plan` counted)."""
-    mismatch = adaptation_mismatch(wanted, adapted_weights(peft_model), rank)
+    mismatch = adaptation_mismatch(expected_ranks(wanted, cfg), adapted_weights(peft_model))
     if mismatch:
         raise UserError(f"--target-modules: peft did not adapt this model as asked ({mismatch}); pass --target-modules explicitly")
+
+
+def check_tuned(wanted: set[str], peft_model) -> None:
+    """After injecting another adapter type: it adapts exactly the linears asked for."""
+    tuned = {f"{base_name(name)}.weight" for name, m in peft_model.named_modules() if isinstance(m, BaseTunerLayer)}
+    if tuned != wanted:
+        missing, extra = sorted(wanted - tuned), sorted(tuned - wanted)
+        raise UserError(
+            f"--peft-type: peft did not adapt this model as asked ({len(missing)} left out, {len(extra)} added, e.g. "
+            f"{(missing or extra)[0]}); pass --target-modules with linear layers only"
+        )
 
 
 def lora_config(cfg, targets: Targets):
@@ -442,9 +480,36 @@ def lora_config(cfg, targets: Targets):
         target_parameters=list(targets.parameters) or None,
         use_rslora=cfg.rslora,
         use_dora=cfg.dora,
+        rank_pattern=getattr(cfg, "rank_patterns", None) or {},
+        alpha_pattern=getattr(cfg, "alpha_patterns", None) or {},
+        layers_to_transform=getattr(cfg, "layers_to_transform", None),
+        modules_to_save=getattr(cfg, "modules_to_save", None),
+        trainable_token_indices=list(targets.tokens) or None,
         bias="none",
         task_type="CAUSAL_LM",
     )
+
+
+def token_ids(cfg, tokenizer) -> tuple[int, ...]:
+    """--trainable-tokens as the tokenizer's ids; a token it doesn't have (it would split the text
+    into several) is one error line."""
+    vocab = tokenizer.get_vocab()
+    for token in getattr(cfg, "trainable_tokens", None) or ():
+        if token not in vocab:
+            pieces = tokenizer.tokenize(token)
+            raise UserError(
+                f"--trainable-tokens: {token!r} is not a token of this tokenizer (it splits into {pieces}); add it to the tokenizer "
+                "first, or pass tokens it has"
+            )
+    return tuple(vocab[t] for t in getattr(cfg, "trainable_tokens", None) or ())
+
+
+def check_modules_to_save(cfg, model) -> None:
+    """--modules-to-save names modules of the model (the full name or a dotted suffix, as peft matches them)."""
+    names = [n for n, _ in model.named_modules() if n]
+    for wanted in getattr(cfg, "modules_to_save", None) or ():
+        if not any(n == wanted or n.endswith("." + wanted) for n in names):
+            raise UserError(f"--modules-to-save: {wanted} is not a module of this model; name one such as lm_head or embed_tokens")
 
 
 def lora_layers(module, prefix: str = ""):
@@ -454,12 +519,16 @@ def lora_layers(module, prefix: str = ""):
             yield name, m
 
 
-def lora_targets(cfg: TrainConfig, config) -> Targets | None:
+def lora_targets(cfg: TrainConfig, config, tokens: tuple[int, ...] = ()) -> Targets | None:
     """--target-modules resolved on a meta skeleton of the model (shapes only, no weights), so a
-    bad name or an unsupported combination fails before loading; what is adapted is logged."""
+    bad name or an unsupported combination fails before loading; what is adapted is logged.
+    `tokens`: --trainable-tokens' ids (token_ids)."""
     if model_class(config) is None:
+        if tokens or getattr(cfg, "modules_to_save", None):
+            raise UserError("--trainable-tokens / --modules-to-save: this model runs remote code, whose modules are only known once loaded")
         return None  # remote code: resolved on the loaded model
     skeleton = meta_model(config)
+    check_modules_to_save(cfg, skeleton)
     inventory = Inventory.of(skeleton)
     if inventory.tied and not cfg.target_modules:
         log.warning(
@@ -468,7 +537,7 @@ def lora_targets(cfg: TrainConfig, config) -> Targets | None:
             ", ".join(inventory.tied),
         )
     meta = PeftOnMeta(config, cfg)
-    targets = peft_exact_targets(config, cfg, resolve_targets(inventory, cfg), meta)
+    targets = peft_exact_targets(config, cfg, replace(resolve_targets(inventory, cfg), tokens=tuple(tokens)), meta)
     check_loads_back(config, cfg, targets, meta)
     if targets.vision and multimodal_body(skeleton) is None:
         raise UserError(

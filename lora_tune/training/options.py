@@ -26,6 +26,16 @@ class OptimOptions(Options):
         2e-4, gt=0, json_schema_extra={**MATH, "hint": "LoRA usually trains with 1e-4 to 3e-4"}, description="Peak learning rate."
     )
     weight_decay: float = Field(0.0, ge=0, json_schema_extra=MATH, description="AdamW weight decay.")
+    loraplus_lr_ratio: float | None = Field(
+        None,
+        gt=0,
+        json_schema_extra={
+            **fixed("holds the optimizer state in the param groups LoRA+ splits it into (A's, and B's at its own rate)"),
+            "hint": "the LoRA+ paper uses 16; leave it out for plain LoRA",
+        },
+        description="LoRA+: the B matrices (and 1-d LoRA tensors such as DoRA's magnitudes) train at R x --lr, the A matrices "
+        "at --lr (peft's create_loraplus_optimizer grouping), on every optimizer and backend. LoRA only.",
+    )
     warmup_steps: int = Field(0, ge=0, json_schema_extra=MATH, description="Linear warmup steps (overrides --warmup-ratio when > 0).")
     warmup_ratio: float = Field(0.0, ge=0, lt=1, json_schema_extra=MATH, description="Warmup as a fraction of the total steps.")
     lr_scheduler: Literal["cosine", "linear", "constant"] = Field(

@@ -12,6 +12,8 @@ import torch
 from lora_tune.engines import common
 from lora_tune.models.loading import load_base_model
 
+from helpers import ALPACA, LORAPLUS_RATIO, LORAPLUS_RUN, adapter_tensors, assert_loraplus_first_step, fast_train_args, run_cli, write_jsonl
+
 
 def cfg(**kw):
     return SimpleNamespace(**{"warmup_steps": 1, "warmup_ratio": 0.0, "lr_scheduler": "cosine", **kw})
@@ -107,3 +109,44 @@ def test_memory_line_says_what_a_rank_holds():
     line = common.memory_line(model, torch.device("cpu"), "cpu", "zero-3", (8, 16))
     assert line.startswith("zero-3: rank 0 holds 8 of 16 base parameters (") and line.endswith("on host (CPU offload)")
     assert "holds the whole base (" in common.memory_line(model, torch.device("cpu"), "none", "zero-2", None)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_8bit", "paged_adamw_8bit"])
+def test_loraplus_groups_b_and_one_dimensional_tensors_at_the_ratio(name):
+    """peft's create_loraplus_optimizer grouping: lora_B and 1-d tensors (DoRA magnitudes) at R x lr."""
+    a, b, m = (torch.nn.Parameter(torch.zeros(s)) for s in ((4, 8), (8, 4), (8,)))
+    named = [("x.lora_A.default.weight", a), ("x.lora_B.default.weight", b), ("x.lora_magnitude_vector.default.weight", m)]
+    optimizer = common.build_optimizer(name, common.param_groups(named, 1e-3, 16.0), 1e-3, 0.1)
+    groups = [(g["lr"], g["lr_ratio"], [id(p) for p in g["params"]]) for g in optimizer.param_groups]
+    assert groups == [(1e-3, 1.0, [id(a)]), (pytest.approx(16e-3), 16.0, [id(b), id(m)])]
+    assert common.param_groups(named, 1e-3, None) == [a, b, m]  # without LoRA+: the tensors, one group
+
+
+def test_a_resumed_schedule_keeps_each_groups_lr_ratio(tmp_path):
+    """Resumed (here with --lr changed): every group restarts at its own multiple of the new --lr."""
+    named = [(f"l.lora_{ab}.default.weight", torch.nn.Parameter(torch.zeros(2, 2))) for ab in "AB"]
+    optimizer = common.build_optimizer("adamw", common.param_groups(named, 1e-2, 8.0), 1e-2, 0.0)
+    scheduler = common.build_scheduler(cfg(warmup_steps=0), optimizer, 4)
+    train_steps([p for _, p in named], optimizer, scheduler, 2, seed=0)
+    common.save_rank_state(tmp_path, optimizer, scheduler)
+    optimizer = common.build_optimizer("adamw", common.param_groups(named, 1e-2, 8.0), 1e-2, 0.0)
+    scheduler = common.build_scheduler(cfg(warmup_steps=0), optimizer, 4)
+    state = common.load_rank_state(tmp_path)
+    optimizer.load_state_dict(state["optimizer"])
+    resumed = common.resumed_scheduler(cfg(warmup_steps=0, lr=2e-2, weight_decay=0.0), scheduler, state["scheduler"])
+    a, b = resumed.get_last_lr()
+    assert a == pytest.approx(2e-2 * 0.5) and b == pytest.approx(8 * a)  # cosine over 4 steps, at step 2: half the peak
+
+
+def test_loraplus_moves_every_b_element_by_ratio_times_lr_in_one_adamw_step(tiny_model, tmp_path, capsys):
+    """One AdamW step from B = 0: A's gradient is zero (B is), so A stays; each B element moves by its
+    group's lr x g / (|g| + eps), which is lr where the gradient dwarfs eps: R times plain LoRA's
+    step under LoRA+, element for element."""
+    data = write_jsonl(tmp_path / "alpaca.jsonl", ALPACA)
+    runs = {}
+    for name, ratio in (("plain", None), ("plus", LORAPLUS_RATIO)):
+        plus = {"loraplus_lr_ratio": ratio} if ratio else {}
+        code, _, err = run_cli(fast_train_args(tiny_model, data, tmp_path / name, **LORAPLUS_RUN, grad_accum=2, **plus), capsys)
+        assert code == 0, err
+        runs[name] = adapter_tensors(tmp_path / name)
+    assert_loraplus_first_step(runs["plus"], runs["plain"])

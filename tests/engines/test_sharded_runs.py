@@ -26,8 +26,11 @@ from lora_tune.planner.memory import base_weight_bytes
 from families import build_family
 from helpers import (
     ALPACA,
+    LORAPLUS_RATIO,
+    LORAPLUS_RUN,
     adapter_tensors,
     assert_bit_identical,
+    assert_loraplus_first_step,
     fast_train_args,
     read_metrics,
     run_cli,
@@ -54,6 +57,8 @@ RESUMED = {
     "fsdp-bf16": dict(backend="fsdp", precision="bf16", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     "fsdp-4bit-offload": dict(backend="fsdp", offload="cpu", precision="4bit", optim="adamw_8bit", lr=5e-2),
     "fsdp-8bit": dict(backend="fsdp", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
+    # PiSSA decomposed layer by layer as FSDP2 streams the base in; checkpoints hold the converted adapter.
+    "fsdp-pissa": dict(backend="fsdp", precision="bf16", init_lora_weights="pissa_niter_2", optim="adamw_8bit", lr=5e-2),
 }
 RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
 # Resumed with --allow-config-change and these: each engine's optimizer must take them from step 3 on.
@@ -111,6 +116,10 @@ COMPILED = {"fsdp-fp32-compiled": dict(backend="fsdp", compile=True), "zero2-fp3
 # (tests/training/test_compilation.py, 20 steps).
 COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 2}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
+# Another adapter type (LoHa) under ZeRO-2, resumed from step 2 (the RESUMED pattern; its tensors are not LoRA pairs).
+TYPED = {"zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2)}
+# LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards and DeepSpeed's CPU Adam on offloaded states.
+LORAPLUS = {"fsdp-loraplus": dict(backend="fsdp"), "zero3-offload-loraplus": dict(zero=3, offload="cpu")}
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
 
@@ -197,6 +206,13 @@ def jobs(tiny_model, tmp_path_factory):
     mixtral = build_family("mixtral", root / "mixtral-base")
     add("fsdp-4bit-mixtral", fast_train_args(mixtral, data, root / "fsdp-4bit-mixtral", **MOE_ARGS, backend="fsdp"))
     add("zero2-eval", fast_train_args(tiny_model, data, root / "zero2-eval", **RUN_ARGS, zero=2, lr=5e-2, eval_split=0.25, eval_steps=2))
+    for name, kw in TYPED.items():
+        add(name, fast_train_args(tiny_model, data, root / name, **RUN_ARGS, **kw))
+        names.append(None)
+        todo.append({"copy": [str(root / name / "checkpoint-2"), str(root / f"{name}-resumed")], "files": ["lora_tune_config.yaml"]})
+        add(f"{name}-resumed", fast_train_args(tiny_model, data, root / f"{name}-resumed", **RUN_ARGS, **kw, resume=True))
+    for name, kw in LORAPLUS.items():
+        add(name, fast_train_args(tiny_model, data, root / name, **LORAPLUS_RUN, **kw, grad_accum=1, loraplus_lr_ratio=LORAPLUS_RATIO))
     add("fsdp-kill-reference", fast_train_args(tiny_model, data, root / "fsdp-kill-reference", **KILL_ARGS, backend="fsdp"))
     add("zero2-kill-reference", fast_train_args(tiny_model, data, root / "zero2-kill-reference", **KILL_ARGS, zero=2))
     results = run_jobs(todo, root)
@@ -356,6 +372,28 @@ def test_fsdp_with_several_ranks_equals_one_process_bit_for_bit(jobs, tiny_model
     a, b = adapter(out), adapter(one)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("name", list(TYPED))
+def test_another_adapter_type_trains_on_two_ranks_and_resumes_bit_identical(name, jobs):
+    full, err = run_of(jobs, name)
+    resumed, resumed_err = run_of(jobs, f"{name}-resumed")
+    assert "deepspeed backend" in err and "resumed from" in resumed_err
+    tensors = adapter(full)
+    assert tensors and all("hada_" in k for k in tensors)
+    assert_bit_identical(tensors, adapter(resumed))
+    assert step_losses(full)[-1] < step_losses(full)[0]
+
+
+@pytest.mark.parametrize("name", list(LORAPLUS))
+def test_loraplus_on_two_ranks_moves_b_by_ratio_times_one_process_plain_step(name, jobs, tiny_model, tmp_path, capsys):
+    """One AdamW step from B = 0 on 2 ranks with --loraplus-lr-ratio R: every B element moved R times
+    what one process's plain-LoRA step over the same 2 micro-batches moved it, A not at all."""
+    out, _ = run_of(jobs, name)
+    one = tmp_path / "one"
+    code, _, err = run_cli(fast_train_args(tiny_model, jobs["data"], one, **LORAPLUS_RUN, grad_accum=2), capsys)
+    assert code == 0, err
+    assert_loraplus_first_step(adapter(out), adapter(one))
 
 
 @pytest.mark.parametrize("name", list(COMPILED))

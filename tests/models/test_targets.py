@@ -3,12 +3,14 @@ model's own linears, experts and routers, in a form peft adapts exactly as asked
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
-from peft import get_peft_model
-from transformers import CONFIG_MAPPING
+from peft import PeftModel, get_peft_model
+from safetensors.torch import load_file
+from transformers import CONFIG_MAPPING, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
 from transformers.models.falcon.modeling_falcon import FalconLinear
 from transformers.models.llama4.modeling_llama4 import Llama4Router
@@ -32,6 +34,7 @@ from lora_tune.models.targets import (
 from lora_tune.models.tiny.configs import shrink_config
 
 from families import build_family
+from helpers import TEXT, adapter_tensors, fast_train_args, run_cli, write_jsonl
 
 
 def options(**kw):
@@ -58,12 +61,15 @@ def test_targets_outside_the_model_are_refused_with_its_own_list(gpt2_and_mixtra
         resolve_targets(meta_model(gpt2_and_mixtral["gpt2"]), options(target_modules=["q_proj"]))
 
 
-def test_expert_tensors_refuse_dropout_and_dora(gpt2_and_mixtral):
+def test_expert_tensors_refuse_dropout_dora_and_weight_based_inits(gpt2_and_mixtral):
     skeleton = meta_model(gpt2_and_mixtral["mixtral"])
     with pytest.raises(UserError, match="--dropout 0.05: LoRA on mlp.experts"):
         resolve_targets(skeleton, options(dropout=0.05))
     with pytest.raises(UserError, match="--dora: peft has no DoRA for fused expert/router tensors"):
         resolve_targets(skeleton, options(dora=True))
+    with pytest.raises(UserError, match="--init-lora-weights pissa: peft's init works on a linear layer's weight"):
+        resolve_targets(skeleton, options(init_lora_weights="pissa"))
+    assert resolve_targets(skeleton, options(init_lora_weights="gaussian")).parameters  # A's values alone: fine for experts
 
 
 def test_pefts_moe_target_rewrite_is_avoided_so_every_requested_linear_is_adapted():
@@ -75,7 +81,7 @@ def test_pefts_moe_target_rewrite_is_avoided_so_every_requested_linear_is_adapte
     cfg = options(rank=4, lora_alpha=8, rslora=False, precision="fp32")
     asked = resolve_targets(meta_model(config), cfg)
     wanted, adapted = inject_on_meta(config, cfg, asked)
-    assert adaptation_mismatch(wanted, adapted, 4) == (
+    assert adaptation_mismatch(dict.fromkeys(wanted, 4), adapted) == (
         "12 left out (e.g. model.layers.0.mlp.down_proj.weight), 2 at rank 8 instead of 4 (e.g. model.layers.2.mlp.experts.gate_up_proj)"
     )
     exact = peft_exact_targets(config, cfg, asked)
@@ -151,3 +157,40 @@ def test_base_names_drop_the_peft_wrapping():
         "model.layers.0.self_attn.q_proj.weight"
     )
     assert base_name("base_model.model.model.layers.0.mlp.experts.base_layer") == "model.layers.0.mlp.experts"
+
+
+def test_patterns_layers_tokens_and_modules_to_save_shape_the_adapter_and_merge_as_peft(tiny_model, tmp_path, capsys):
+    """--rank-pattern / --alpha-pattern / --layers-to-transform / --trainable-tokens / --modules-to-save
+    reach peft as its own options: the adapter holds exactly the tensors they ask for, and merges (rows
+    of the trained tokens, the saved lm_head) into what peft computes with it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    token = tokenizer.all_special_tokens[0]
+    patterns = dict(
+        rank_pattern=["down_proj=8", r"layers\.1\.self_attn\.q_proj=2"],
+        alpha_pattern=["v_proj=32"],
+        layers_to_transform=["1"],
+        trainable_tokens=[token],
+        modules_to_save=["lm_head"],
+    )
+    data = write_jsonl(tmp_path / "text.jsonl", TEXT)
+    code, _, err = run_cli(fast_train_args(tiny_model, data, tmp_path / "run", max_steps=2, lr=5e-2, **patterns), capsys)
+    assert code == 0, err
+    shapes = {k.removeprefix("base_model.model."): tuple(t.shape) for k, t in adapter_tensors(tmp_path / "run").items()}
+    ranks = {"down_proj": 8, "q_proj": 2}
+    expected = {"lm_head.weight": (512, 64), "model.embed_tokens.token_adapter.trainable_tokens_delta": (1, 64)}
+    for module, (inputs, outputs) in {"q_proj": (64, 64), "k_proj": (64, 32), "v_proj": (64, 32), "o_proj": (64, 64),
+                                      "gate_proj": (64, 128), "up_proj": (64, 128), "down_proj": (128, 64)}.items():  # fmt: skip
+        part = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+        r = ranks.get(module, 4)
+        expected[f"model.layers.1.{part}.{module}.lora_A.weight"] = (r, inputs)
+        expected[f"model.layers.1.{part}.{module}.lora_B.weight"] = (outputs, r)
+    assert shapes == expected  # layer 0 untouched, the patterns' ranks, one token's row, the whole lm_head
+    config = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == [tokenizer.convert_tokens_to_ids(token)] and config["alpha_pattern"] == {"v_proj": 32}
+    code, _, err = run_cli(["merge", "--adapter", tmp_path / "run", "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    usual = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), tmp_path / "run").merge_and_unload().state_dict()
+    ours = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert not torch.equal(ours["model.embed_tokens.weight"], load_file(str(tiny_model / "model.safetensors"))["model.embed_tokens.weight"])
+    for k in ours:
+        torch.testing.assert_close(ours[k], usual[k], rtol=0, atol=1e-6, msg=k)

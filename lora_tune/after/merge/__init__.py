@@ -28,7 +28,7 @@ from peft import PeftModel
 from transformers.utils import logging as hf_logging
 
 from lora_tune.after.merge.applying import TensorMerger
-from lora_tune.after.merge.reading import NotStreamable, base_folder, disk_adapter, latest_adapter, named_adapter, read_adapter
+from lora_tune.after.merge.reading import OTHER_TYPES, NotStreamable, base_folder, disk_adapter, latest_adapter, named_adapter, read_adapter
 from lora_tune.after.merge.verifying import FULL_CHECK_MAX_PARAMS, TOLERANCE, all_finite, relative_drift, verify_logits, verify_vision
 from lora_tune.after.merge.writing import plan_output, prepare_output, shard_names, write_index, write_shard, write_side_files
 from lora_tune.after.options import MergeConfig
@@ -100,6 +100,10 @@ def run(cfg: MergeConfig) -> Path:
         log.warning("merge: %s; merging through transformers with the whole model in host memory (~%.1f GB)", reason, n_bytes / 1e9)
         return finish(out, lambda tmp: merge_whole_model(base, adapter_dir, tmp, cfg), base, adapter_dir, cfg)
 
+    if config.get("peft_type") in OTHER_TYPES:
+        stored = sum(e.nbytes for f in base_files for e in shards.read_header(f).values())
+        reason = f"a {config['peft_type']} adapter is not a LoRA pair per weight, which the streaming merge folds in; peft merges it"
+        return through_transformers(reason, stored)
     quantized = quant_method(load_config(str(base), cfg.trust_remote_code))
     if quantized:
         stored = sum(e.nbytes for f in base_files for e in shards.read_header(f).values())

@@ -124,6 +124,12 @@ class TensorMerger:
             result = self.adapter.replacements[t.name].float()
             if list(result.shape) != t.shape:
                 raise UserError(f"--base: {t.name} has shape {tuple(t.shape)}, the adapter's trained copy {tuple(result.shape)}")
+        elif t.name in self.adapter.rows:  # trainable tokens: their trained rows replace the embedding's
+            ids, rows = self.adapter.rows[t.name]
+            if max(ids) >= t.shape[0] or rows.shape != (len(ids), *t.shape[1:]):
+                raise UserError(f"--base: {t.name} has shape {tuple(t.shape)}, the adapter's trained rows {tuple(rows.shape)} for {ids}")
+            result = tensor.float().clone()
+            result[ids] = rows.float()
         else:
             result = tensor
         if result.is_floating_point():

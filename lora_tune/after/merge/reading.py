@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from transformers.pytorch_utils import Conv1D
 
 from lora_tune.errors import UserError, first_line
+from lora_tune.models.adapter_types.registry import TYPES
 from lora_tune.models.aliases import resolve_base
 from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import load_config
@@ -31,6 +32,9 @@ from lora_tune.training import checkpoint as ckpt
 from lora_tune.training.run_folder import ADAPTER_FILES
 
 log = logging.getLogger("lora_tune")
+
+# peft's names of the other adapter types lora-tune trains (lora_tune.models.adapter_types): peft merges them.
+OTHER_TYPES = tuple(name.upper() for name in TYPES if name != "lora")
 
 
 @dataclass
@@ -110,6 +114,8 @@ def check_adapter_config(config, path: Path, option: str = "--adapter") -> None:
 
     if not isinstance(config, dict):
         raise bad(f"holds a JSON {type(config).__name__}, not an object")
+    if config.get("peft_type") in OTHER_TYPES:
+        return  # merged through peft's own merge_and_unload, which reads its own config
     if config.get("peft_type") != "LORA":
         raise UserError(f"{option}: {path.parent} holds a {config.get('peft_type')} adapter; lora-tune reads LoRA adapters only")
     r = config.get("r")
@@ -196,6 +202,7 @@ class DiskAdapter:
     replacements: dict[str, torch.Tensor]  # disk name -> trained copy (modules_to_save)
     transposed: set[str]  # disk names of weights stored (in, out): GPT-2-style Conv1D
     layout: CheckpointLayout | None = None
+    rows: dict[str, tuple[list[int], torch.Tensor]] = field(default_factory=dict)  # disk name -> (token ids, trained rows)
 
 
 class NotStreamable(Exception):
@@ -212,6 +219,11 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
     ParamWrappers, rank and alpha patterns, peft's rewrites included, as PeftModel.from_pretrained
     would see them); the disk names come from transformers' conversion mapping. None for a model
     transformers doesn't implement (remote code): its adapter names are taken as the disk names."""
+    if config.get("peft_type") in OTHER_TYPES:  # `merge` hands these to peft before asking for LoRA pairs
+        raise UserError(
+            f"--adapter: {adapter_dir} holds a {config['peft_type']} adapter, not LoRA pairs, which this reads: merge it first "
+            "(`lora-tune merge`), then export or serve the merged folder"
+        )
     model_config = load_config(str(base), trust_remote_code)
     if model_class(model_config) is None:
         return None
@@ -267,10 +279,28 @@ def disk_adapter(base: Path, adapter_dir: Path, config: dict, weights: dict[str,
         key = name.removeprefix("base_model.model.")
         if "lora_" in name:
             continue
+        token_rows = re.match(r"(.*)\.token_adapter\.trainable_tokens_delta$", key)
+        if token_rows:  # --trainable-tokens: the embedding's trained rows (peft's TrainableTokensLayer)
+            key = f"{token_rows.group(1)}.weight"
+            if not layout.is_renaming(key):
+                raise UserError(f"--adapter: {key} (trainable tokens) is not one tensor in the base; merge can't replace its rows")
+            out.rows[layout.groups[key][0]] = (token_indices(config, token_rows.group(1)), tensor)
+            continue
         if not layout.is_renaming(key):
             raise UserError(f"--adapter: {key} (modules_to_save) is not stored as one tensor in the base; merge can't replace it")
         out.replacements[layout.groups[key][0]] = tensor
     return out
+
+
+def token_indices(config: dict, module: str) -> list[int]:
+    """The token ids whose rows a trainable-tokens layer on `module` trained: peft's
+    trainable_token_indices, a list (the input embedding's) or a mapping from module names."""
+    indices = config.get("trainable_token_indices")
+    if isinstance(indices, dict):
+        indices = indices.get(get_pattern_key(list(indices), module), indices.get(module.rsplit(".", 1)[-1]))
+    if not isinstance(indices, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in indices):
+        raise UserError(f"--adapter: trainable tokens on {module}, but trainable_token_indices = {indices!r} names no token ids for it")
+    return indices
 
 
 def named_adapter(config: dict, weights: dict[str, torch.Tensor]) -> DiskAdapter:

@@ -1,0 +1,20 @@
+"""What an adapter type declares (`AdapterType`), shared by the type modules."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdapterType:
+    """A peft adapter type: its name (peft's, lower case), the peft config it builds from the run's
+    options and targets (`build(cfg, modules, model_type)`), which of --rank / --alpha / --dropout
+    it maps to which of its own knobs (None: it has none, the option is ignored and said so), and
+    whether peft ships bitsandbytes layers for it (an 8/4-bit base)."""
+
+    name: str
+    build: Callable
+    knobs: dict[str, str | None]
+    quantized: bool = False
+    refusal: str | None = None  # why lora-tune doesn't train it yet

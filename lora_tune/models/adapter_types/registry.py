@@ -1,0 +1,63 @@
+"""The adapter types, by --peft-type name, and what a run with one must not ask for."""
+
+from __future__ import annotations
+
+import logging
+
+from lora_tune.errors import UserError
+from lora_tune.models.adapter_types import adalora, boft, hra, ia3, loha, lokr, lora, miss, oft, vera
+
+log = logging.getLogger("lora_tune")
+
+TYPES = {m.TYPE.name: m.TYPE for m in (lora, oft, boft, loha, lokr, vera, ia3, adalora, miss, hra)}
+
+# LoRA's own options: flag -> is it set in this config.
+LORA_ONLY = {
+    "--dora": lambda cfg: cfg.dora,
+    "--rslora": lambda cfg: cfg.rslora,
+    "--init-lora-weights": lambda cfg: cfg.init_lora_weights is not None,
+    "--loraplus-lr-ratio": lambda cfg: cfg.loraplus_lr_ratio is not None,
+    "--rank-pattern": lambda cfg: bool(cfg.rank_pattern),
+    "--alpha-pattern": lambda cfg: bool(cfg.alpha_pattern),
+    "--trainable-tokens": lambda cfg: bool(cfg.trainable_tokens),
+    "--init-adapter": lambda cfg: cfg.init_adapter is not None,
+}
+
+
+def is_lora(cfg) -> bool:
+    return getattr(cfg, "peft_type", "lora") == "lora"
+
+
+def check(cfg, partitioned: bool) -> None:
+    """Before loading: a type lora-tune doesn't train, LoRA-only options with another type, a
+    quantized base peft has no layers for, a backend that partitions the base first (ZeRO-3, FSDP2), each one
+    line; the options the type has no knob for are said once."""
+    if is_lora(cfg):
+        return
+    kind = TYPES[cfg.peft_type]
+    flag = f"--peft-type {cfg.peft_type}"
+    if kind.refusal:
+        raise UserError(f"{flag}: {kind.refusal}")
+    for option, given in LORA_ONLY.items():
+        if given(cfg):
+            raise UserError(f"{option} is a LoRA option; {flag} has no such thing: leave it out (or use --peft-type lora)")
+    if cfg.precision in ("8bit", "4bit") and not kind.quantized:
+        raise UserError(
+            f"{flag}: peft has no bitsandbytes layers for {cfg.peft_type}, so it can't adapt a {cfg.precision} base: use --precision bf16"
+        )
+    if partitioned:
+        raise UserError(
+            f"{flag}: this backend streams or partitions the base before the adapter goes in and fills each layer's adapter "
+            "there, which lora-tune does for LoRA only so far: use --zero 1 or --zero 2 (or --peft-type lora)"
+        )
+    ignored = [f"--{option}" for option, knob in kind.knobs.items() if knob is None]
+    if ignored:
+        log.info("%s has no knob for %s: ignored", flag, ", ".join(ignored))
+    mapped = ", ".join(f"--{option} -> {knob}" for option, knob in kind.knobs.items() if knob)
+    if mapped:
+        log.info("%s: %s", flag, mapped)
+
+
+def peft_config(cfg, modules, model_type: str):
+    """The type's peft config for these target modules (peft's target_modules: names or a pattern)."""
+    return TYPES[cfg.peft_type].build(cfg, modules, model_type)
