@@ -252,7 +252,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     if rewards:
         check_reward_columns(rewards, data.train)
         longest = max(data.train.lengths, default=0) + cfg.max_new_tokens
-        generation.module(cfg).check_inputs(cfg, base_path, config, longest)
+        generation.check_inputs(cfg, base_path, config, longest)
         saved_state = check_rewards_unchanged(cfg, rewards, saved_state)
     row = cfg.max_seq_len * objective.sequences_per_unit  # a unit's sequences travel in one row
     batches = MicroBatches(data.train.lengths, cfg.micro_batch_size, cfg.seed, levers.packing, cfg.group_by_length, row)

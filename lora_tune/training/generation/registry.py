@@ -8,8 +8,11 @@ probe; returns what `create` is given, or None) and a class built once the model
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from typing import Protocol
+
+log = logging.getLogger("lora_tune")
 
 GENERATORS = {
     "transformers": "lora_tune.training.generation.transformers_generate",
@@ -72,6 +75,18 @@ def name(cfg) -> str:
 
 def module(cfg):
     return importlib.import_module(GENERATORS[name(cfg)])
+
+
+def check_inputs(cfg, base_path: str, config, max_model_len: int) -> None:
+    """The generator's own checks, before anything loads; and what vLLM serves of a quantized base."""
+    module(cfg).check_inputs(cfg, base_path, config, max_model_len)
+    if cfg.rollout == "vllm" and cfg.precision in ("8bit", "4bit"):
+        log.info(
+            "--rollout vllm: the %s base is served by vLLM from its checkpoint in bfloat16 (vLLM doesn't run bitsandbytes' layers "
+            "here); the importance-sampling correction weighs the difference from the trainer's %s log-probabilities",
+            cfg.precision,
+            cfg.precision,
+        )
 
 
 def start(inputs):
