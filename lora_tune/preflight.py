@@ -92,7 +92,7 @@ def check_sequence_parallel(cfg: TrainConfig, config) -> None:
     if n == 1:
         return
     if not engines.spec_of(cfg).multi_process:
-        raise UserError(f"--sequence-parallel {n} splits rows across processes: use a sharding backend (--zero 1|2|3 or --backend fsdp)")
+        raise UserError(f"--sequence-parallel {n} splits rows across processes: run several (--nproc {n}), leaving --backend single out")
     world = run_world_size(cfg)
     if world % n:
         raise UserError(f"--sequence-parallel {n} must divide the number of processes ({world}): use --nproc {max(n, world // n * n)}")

@@ -13,7 +13,6 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from lora_tune.engines import registry as engines
-from lora_tune.errors import UserError
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
@@ -97,10 +96,6 @@ def compute(cfg) -> Plan:
 def context_plan(cfg, arch, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> Plan:
     """`plan --max-context`: the longest rows that fit this setup; with --auto, over every
     --sequence-parallel degree the ranks allow."""
-    if cfg.auto and setup.world > 1 and not engines.spec_of(cfg).multi_process:
-        raise UserError(
-            "plan --max-context --auto over several GPUs splits rows across ranks: name a sharding backend (--zero 1|2|3 or --backend fsdp)"
-        )
     degrees = sequence_parallel_degrees(arch, setup.world) if cfg.auto else [setup.sequence_parallel]
     tiled = cfg.tiled_mlp != "off"
     found = [s for n in degrees if (s := longest_context(arch, replace(setup, sequence_parallel=n), gpu_bytes, cpu_bytes, tiled))]
