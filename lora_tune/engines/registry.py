@@ -28,6 +28,7 @@ from lora_tune.engines import ddp, deepspeed, fsdp, single
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import OFFLOAD_LABEL, OFFLOADS, PRECISIONS, BackendSpec
 from lora_tune.errors import UserError
+from lora_tune.models import sequence_parallel
 
 
 class Engine(Protocol):
@@ -227,6 +228,27 @@ def check_compatibility(cfg, paths: bool = True) -> None:
         return
     if spec.check_inputs:
         spec.check_inputs(cfg)
+
+
+def check_sequence_parallel(cfg, config, world: int) -> None:
+    """--sequence-parallel N on `world` processes: what it can serve for this model (its transformers
+    `config`), before anything loads. Train asks it with the processes it runs, `plan` with its GPUs."""
+    n = cfg.sequence_parallel
+    if n == 1:
+        return
+    if not spec_of(cfg).multi_process:
+        raise UserError(f"--sequence-parallel {n} splits rows across processes: run several (--nproc {n}), leaving --backend single out")
+    if world % n:
+        raise UserError(f"--sequence-parallel {n} must divide the number of processes ({world}): use --nproc {max(n, world // n * n)}")
+    if cfg.objective != "sft":
+        raise UserError(f"--sequence-parallel trains --objective sft for now, not {cfg.objective}; leave it out (or use sft)")
+    if cfg.loss_chunk_size == 0:
+        raise UserError("--sequence-parallel needs the chunked loss (each rank scores its slice of the row): leave --loss-chunk-size out")
+    if cfg.compile:
+        raise UserError("--sequence-parallel exchanges slices of rows inside attention, which --compile can't capture yet: leave it out")
+    reason = sequence_parallel.refusal(config, n)
+    if reason:
+        raise UserError(f"--sequence-parallel {n}: {reason}")
 
 
 def create(cfg, device: torch.device) -> Engine:
