@@ -138,3 +138,15 @@ def test_vlm_vs_trl_trains_both_routes_on_a_tiny_image_text_model(tmp_path):
     assert results["lora-tune train"]["tokens"] == results["TRL SFTTrainer"]["tokens"] > 0
     ratio = next(line for line in proc.stdout.splitlines() if line.startswith("lora-tune vs TRL SFTTrainer:"))
     assert "x (whole process)" in ratio and "x (training)" in ratio and "peak RSS" in ratio
+
+
+def test_ddp_vs_sharded_times_the_three_backends_on_two_ranks(tmp_path):
+    proc = run_tiny("ddp_vs_sharded.py", tmp_path)
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [row[0].removeprefix("| ") for row in rows] == ["DDP", "ZeRO-1", "FSDP2"]
+    for row in rows:  # step time, tokens/s, each rank's peak
+        assert all(float(value.replace(",", "")) > 0 for value in row[1:5]) and row[5].endswith("x |")
+    results = json.loads((tmp_path / "results.json").read_text())
+    # The same rows and the same math on every backend: the first step's loss (fp32, before any update) agrees.
+    first = [result["losses"][0] for result in results.values()]
+    assert max(first) - min(first) <= 1e-5 * max(first) and all(len(result["losses"]) == 3 for result in results.values())
