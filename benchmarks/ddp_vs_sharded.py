@@ -3,12 +3,14 @@ fits one device (the case DDP is the default for).
 
 Each route runs `lora-tune train --nproc 2` on the same Llama-shaped model (random weights: hidden
 1024, intermediate 2816, 16 layers, vocab 32000, ~0.25 B parameters; `--tiny`: 2 layers of 64) over
-the same packed rows, for --steps optimizer steps. Step time is the median of rank 0's
-`step_seconds` after the first step (which builds what the layers keep); tokens/s the job's tokens
-over it. Peak memory is what each rank says after its first step (the step's shapes repeat, so the
-run's peak): on a GPU its device peak, on a CPU its peak RSS (VmHWM), host and "device" alike.
+the same packed rows, for --steps optimizer steps; --repeats N runs the routes round-robin N times
+(so a machine's load falls on each alike). Step time is the median of rank 0's `step_seconds` after
+the first step (which builds what the layers keep), over the repeats; tokens/s the job's tokens over
+it. Peak memory is what each rank says after its first step (the step's shapes repeat, so the run's
+peak), the largest over the repeats: on a GPU its device peak, on a CPU its peak RSS (VmHWM), host
+and "device" alike.
 
-    python benchmarks/ddp_vs_sharded.py [--steps 8] [--precision bf16|fp32] [--workdir DIR] [--tiny]
+    python benchmarks/ddp_vs_sharded.py [--steps 8] [--repeats 1] [--precision bf16|fp32] [--workdir DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -44,15 +46,32 @@ def run_route(base: Path, data: Path, out: Path, flags: list[str], args) -> dict
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "loss" in s]
     warm = steps[1:] or steps  # the first step builds what the layers keep (and compiles nothing here)
-    seconds = statistics.median(s["step_seconds"] for s in warm)
-    tokens = statistics.median(s["tokens_per_s"] * s["step_seconds"] for s in warm)
-    return {"step_seconds": seconds, "tokens_per_s": tokens / seconds, "peak_gib": peaks, "losses": [s["loss"] for s in steps]}
+    return {
+        "step_seconds": [s["step_seconds"] for s in warm],
+        "step_tokens": warm[0]["tokens_per_s"] * warm[0]["step_seconds"],
+        "peak_gib": peaks,
+        "losses": [s["loss"] for s in steps],
+    }
+
+
+def summary(runs: list[dict]) -> dict:
+    """A route's repeats: the median warm step, the largest peak per rank, the first repeat's losses."""
+    seconds = statistics.median(t for run in runs for t in run["step_seconds"])
+    peaks = {rank: max(run["peak_gib"][rank] for run in runs) for rank in (0, 1)}
+    return {
+        "step_seconds": seconds,
+        "tokens_per_s": runs[0]["step_tokens"] / seconds,
+        "peak_gib": peaks,
+        "losses": runs[0]["losses"],
+        "runs": runs,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--precision", default=None, help="bf16 on a GPU, fp32 on a CPU (default)")
     parser.add_argument("--seq", type=int, default=None, help="--max-seq-len (default 256; 64 with --tiny)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each route, round-robin")
     args, work = bench_options(8, "a 2-layer model, 3 steps", "ddp-vs-sharded-", parser)
     import torch  # noqa: PLC0415 - only to pick the default precision, after the options parse
 
@@ -62,13 +81,17 @@ def main() -> None:
     base = build_model(work / ("tiny" if args.tiny else "model"), args.tiny)
     data = work / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(64)))
-    results = {name: run_route(base, data, work / name, flags, args) for name, flags in ROUTES.items()}
+    runs: dict[str, list[dict]] = {name: [] for name in ROUTES}
+    for _ in range(args.repeats):
+        for name, flags in ROUTES.items():
+            runs[name].append(run_route(base, data, work / name, flags, args))
+    results = {name: summary(route_runs) for name, route_runs in runs.items()}
     (work / "results.json").write_text(json.dumps(results, indent=2))
     params = sum(p.stat().st_size for p in base.glob("*.safetensors")) / 2**30
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     print(
         f"model: {params:.2f} GiB of bf16 safetensors, LoRA rank 16 on every linear layer; 2 ranks on {where}, --precision "
-        f"{args.precision}, micro-batch 2 x {args.seq} tokens, 2 accumulation steps, {args.steps} steps"
+        f"{args.precision}, micro-batch 2 x {args.seq} tokens, 2 accumulation steps, {args.steps} steps, {args.repeats} run(s) of each"
     )
     print("| route | step time (s) | tokens/s | peak rank 0 (GiB) | peak rank 1 (GiB) | step time vs DDP |")
     print("|---|---|---|---|---|---|")

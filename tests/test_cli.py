@@ -200,7 +200,7 @@ BAD_INPUT = {
     "negative weight decay": (lambda c: c.train(weight_decay=-1), "--weight-decay: must be >= 0 (got -1"),
     "unknown scheduler": (lambda c: c.train(lr_scheduler="cosine_restarts"), "--lr-scheduler: got 'cosine_restarts'"),
     "unknown optimizer": (lambda c: c.train(optim="lion"), "--optim: got 'lion'"),
-    "unknown backend": (lambda c: c.train(backend="horovod"), "--backend: got 'horovod'; choose one of single, deepspeed, fsdp"),
+    "unknown backend": (lambda c: c.train(backend="horovod"), "--backend: got 'horovod'; choose one of single, ddp, deepspeed, fsdp"),
     "unknown zero stage": (lambda c: c.train(zero=4), "--zero: got 4; choose one of 0, 1, 2, 3"),
     "reporter not installed": (lambda c: c.train(report_to="wandb"), "pip install wandb"),
     "invalid yaml": (
