@@ -88,6 +88,19 @@ def test_a_registered_backend_is_a_choice_in_help_and_refuses_its_own_cells(toy,
         check_compatibility(cfg, paths=False)
 
 
+def test_ddp_is_planned_with_every_state_whole_on_each_rank(capsys):
+    """`plan --gpus 4` with no backend plans DDP: each GPU holds what one device holds."""
+
+    def plan(*argv):
+        code, out, err = run_cli(["plan", "--base", "llama-8b", "--precision", "bf16", "--json", *argv], capsys)
+        assert code == 0, err
+        return json.loads(out)["per_device"]
+
+    one, ddp = plan(), plan("--gpus", "4")
+    assert ddp == one and ddp["optimizer_bytes"] > 0
+    assert plan("--gpus", "4", "--zero", "1")["optimizer_bytes"] == pytest.approx(one["optimizer_bytes"] / 4, abs=1)
+
+
 def test_the_builtin_matrix_refuses_what_it_does_not_run():
     cells = set(supported_cells())
     assert Cell("deepspeed", "fp16", 2, "none") not in cells
