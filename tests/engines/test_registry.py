@@ -99,6 +99,8 @@ def test_ddp_is_planned_with_every_state_whole_on_each_rank(capsys):
     one, ddp = plan(), plan("--gpus", "4")
     assert ddp == one and ddp["optimizer_bytes"] > 0
     assert plan("--gpus", "4", "--zero", "1")["optimizer_bytes"] == pytest.approx(one["optimizer_bytes"] / 4, abs=1)
+    code, out, err = run_cli(["plan", "--base", "llama-8b", "--precision", "bf16", "--gpus", "4"], capsys)
+    assert code == 0 and ", DDP, offload none, 4 GPU(s) x 1 node(s)" in out, err
 
 
 def test_the_builtin_matrix_refuses_what_it_does_not_run():
