@@ -61,7 +61,8 @@ def measure(base: str, tokens: int, documents: int, sp: int, tiled: bool) -> dic
     from lora_tune.models.tiled_mlp import tile_count, tile_mlps
     from lora_tune.planner.architecture import load_architecture
     from lora_tune.planner.measured import cpu_tensor_peak
-    from lora_tune.planner.memory import Setup, activation_bytes, logits_bytes
+    from lora_tune.planner.memory import activation_bytes, logits_bytes
+    from lora_tune.planner.records import Setup
     from lora_tune.training.objectives.sft import CausalLMLoss
 
     arch = load_architecture(base)

@@ -27,7 +27,7 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
-from lora_tune.models import inits, sequence_parallel, tiled_mlp
+from lora_tune.models import inits, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
 from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.aliases import resolve_base
@@ -85,27 +85,6 @@ def unplanned_tiles(cfg: TrainConfig, config) -> int:
         return 0
     row = math.ceil(cfg.max_seq_len / cfg.sequence_parallel)
     return tiled_mlp.tile_count(row, config.get_text_config(decoder=True).hidden_size)
-
-
-def check_sequence_parallel(cfg: TrainConfig, config) -> None:
-    """--sequence-parallel N: what it can serve, before anything loads."""
-    n = cfg.sequence_parallel
-    if n == 1:
-        return
-    if not engines.spec_of(cfg).multi_process:
-        raise UserError(f"--sequence-parallel {n} splits rows across processes: use a sharding backend (--zero 1|2|3 or --backend fsdp)")
-    world = run_world_size(cfg)
-    if world % n:
-        raise UserError(f"--sequence-parallel {n} must divide the number of processes ({world}): use --nproc {max(n, world // n * n)}")
-    if cfg.objective != "sft":
-        raise UserError(f"--sequence-parallel trains --objective sft for now, not {cfg.objective}; leave it out (or use sft)")
-    if cfg.loss_chunk_size == 0:
-        raise UserError("--sequence-parallel needs the chunked loss (each rank scores its slice of the row): leave --loss-chunk-size out")
-    if cfg.compile:
-        raise UserError("--sequence-parallel exchanges slices of rows inside attention, which --compile can't capture yet: leave it out")
-    reason = sequence_parallel.refusal(config, n)
-    if reason:
-        raise UserError(f"--sequence-parallel {n}: {reason}")
 
 
 def check_rewards_unchanged(cfg: TrainConfig, rewards, saved_state: dict | None) -> dict | None:
@@ -204,7 +183,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, quant_method(config))
-    check_sequence_parallel(cfg, config)
+    engines.check_sequence_parallel(cfg, config, run_world_size(cfg))
     reason = tiled_mlp.refusal(config) if cfg.tiled_mlp == "on" else None
     if reason:
         raise UserError(f"--tiled-mlp on: {reason}; use --tiled-mlp off")

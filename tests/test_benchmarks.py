@@ -152,3 +152,15 @@ def test_peft_methods_runs_each_method_against_hf_trainer_on_a_tiny_shape(tmp_pa
     for ours, theirs in zip(rows[::2], rows[1::2]):
         assert ours[2] == theirs[2] and int(ours[2].replace(",", "")) > 0  # the same peft config: the same trainable parameters
         assert all(math.isfinite(float(r[5])) and float(r[6].removesuffix(" |")) > 0 for r in (ours, theirs))
+
+
+def test_ddp_vs_sharded_times_the_three_backends_on_two_ranks(tmp_path):
+    proc = run_tiny("ddp_vs_sharded.py", tmp_path)
+    rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [row[0].removeprefix("| ") for row in rows] == ["DDP", "ZeRO-1", "FSDP2"]
+    for row in rows:  # step time, tokens/s, each rank's peak
+        assert all(float(value.replace(",", "")) > 0 for value in row[1:5]) and row[5].endswith("x |")
+    results = json.loads((tmp_path / "results.json").read_text())
+    # The same rows and the same math on every backend: the first step's loss (fp32, before any update) agrees.
+    first = [result["losses"][0] for result in results.values()]
+    assert max(first) - min(first) <= 1e-5 * max(first) and all(len(result["losses"]) == 3 for result in results.values())

@@ -55,7 +55,7 @@ def test_help_documents_every_option_and_the_registered_backends(capsys):
     for name, field in TrainConfig.model_fields.items():
         assert flag(name) in text, name
         assert field.description, f"{name} has no help text"
-    assert "--backend single|deepspeed|fsdp" in text and "--zero 0|1|2|3" in text
+    assert "--backend single|ddp|deepspeed|fsdp" in text and "--zero 0|1|2|3" in text
     for name, description in lora_tune.engines.registry.names().items():
         assert f"{name}: {description.split()[0]}" in " ".join(text.split())
 
@@ -245,7 +245,7 @@ BAD_INPUT = {
     ),
     "unknown scheduler": (lambda c: c.train(lr_scheduler="cosine_restarts"), "--lr-scheduler: got 'cosine_restarts'"),
     "unknown optimizer": (lambda c: c.train(optim="lion"), "--optim: got 'lion'"),
-    "unknown backend": (lambda c: c.train(backend="horovod"), "--backend: got 'horovod'; choose one of single, deepspeed, fsdp"),
+    "unknown backend": (lambda c: c.train(backend="horovod"), "--backend: got 'horovod'; choose one of single, ddp, deepspeed, fsdp"),
     "unknown zero stage": (lambda c: c.train(zero=4), "--zero: got 4; choose one of 0, 1, 2, 3"),
     "reporter not installed": (lambda c: c.train(report_to="wandb"), "pip install wandb"),
     "invalid yaml": (
@@ -387,7 +387,7 @@ BAD_INPUT = {
     ),
     "several processes on one device": (
         lambda c: c.train(nproc=2, backend="single"),
-        "several processes need a backend that coordinates them: add --zero 1 or --backend fsdp",
+        "several processes need a backend that coordinates them: use --backend ddp or --zero 1 or --backend fsdp (or leave --backend out)",
     ),
 }
 if not torch.cuda.is_available():

@@ -67,7 +67,7 @@ def test_sequence_parallel_refusals_are_one_line_before_loading(tiny_model, data
     monkeypatch.setattr(lora_tune.preflight, "prepare_data", no_data_stage)
     data = data_files["alpaca"]
     cases = [
-        (dict(sequence_parallel=2), "--sequence-parallel 2 splits rows across processes: use a sharding backend"),
+        (dict(sequence_parallel=2), "--sequence-parallel 2 splits rows across processes: run several (--nproc 2)"),
         (dict(sequence_parallel=2, zero=2, nproc=3), "--sequence-parallel 2 must divide the number of processes (3): use --nproc 2"),
         (dict(sequence_parallel=2, zero=2, nproc=2, objective="dpo"), "--sequence-parallel trains --objective sft for now, not dpo"),
         (dict(sequence_parallel=2, zero=2, nproc=2, loss_chunk_size=0), "--sequence-parallel needs the chunked loss"),

@@ -15,7 +15,14 @@ from transformers import GenerationConfig, get_scheduler
 
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import state as state_files
-from lora_tune.models.loading import compute_dtype
+from lora_tune.models.loading import attention_implementation, compute_dtype, load_base_model, load_config
+
+
+def load_whole_base(cfg, base_path: str, device: torch.device):
+    """The base loaded whole into this process (quantized as it streams in, with bitsandbytes), with
+    the attention implementation this run resolved: what one device and every DDP rank hold."""
+    attention = attention_implementation(cfg, load_config(base_path, cfg.trust_remote_code), device)
+    return load_base_model(base_path, cfg.precision, device, cfg.trust_remote_code, cfg.allow_bin, attn_implementation=attention)
 
 
 def param_groups(named, lr: float, loraplus_lr_ratio: float | None) -> list:
@@ -68,6 +75,37 @@ def resumed_scheduler(cfg, scheduler, saved_schedule: dict) -> LambdaLR:
         group.update(initial_lr=cfg.lr * group.get("lr_ratio", 1.0), weight_decay=cfg.weight_decay)
     # Built at last_epoch = step - 1, a LambdaLR takes its initial step to `step` (torch's API).
     return LambdaLR(optimizer, scheduler.lr_lambdas, last_epoch=saved_schedule["last_epoch"] - 1)
+
+
+def loss_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """fp16 has a narrow exponent range: its loss is scaled so small gradients don't flush to zero."""
+    return torch.amp.GradScaler(device.type) if precision == "fp16" else None
+
+
+def clip_and_step(params, optimizer, scheduler, scaler, max_grad_norm: float) -> tuple[float, bool]:
+    """The end of an optimizer step for an engine whose every rank holds every LoRA weight whole (one
+    device, DDP after its all-reduce): clip, step the optimizer and the schedule; (grad norm, applied).
+    A non-finite gradient norm skips the update (the fp16 scaler does this itself, where an overflow
+    only lowers the scale)."""
+    # A step whose micro-batches never reached a trainable tensor (the vision tower's LoRA with no
+    # image, an expert no token was routed to) gives it a zero gradient, as the sharded engines do:
+    # AdamW's moments, step count and weight decay then advance for every tensor, so one process
+    # takes the steps N ranks take.
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf")))
+    applied = math.isfinite(grad_norm)
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    elif applied:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return grad_norm, applied
 
 
 def autocast(precision: str, device: torch.device):
@@ -215,6 +253,22 @@ def load_rank_state(folder: Path) -> dict:
     state = state_files.load_safe_state(folder, state_name("training_state"))
     state_files.load_rng(folder / f"{state_name('rng_state')}.safetensors")
     return state
+
+
+def save_whole_state(folder: Path, optimizer, scheduler, scaler) -> None:
+    """save_rank_state of an engine whose optimizer holds every LoRA weight whole (one device, DDP),
+    with its fp16 loss scaler where it has one."""
+    save_rank_state(folder, optimizer, scheduler, **({"scaler": scaler.state_dict()} if scaler else {}))
+
+
+def load_whole_state(folder: Path, cfg, optimizer, scheduler, scaler):
+    """What save_whole_state wrote, loaded into the optimizer (and scaler); returns the schedule
+    this run continues with (resumed_scheduler)."""
+    state = load_rank_state(folder)
+    optimizer.load_state_dict(state["optimizer"])
+    if scaler and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    return resumed_scheduler(cfg, scheduler, state["scheduler"])
 
 
 def memory_line(model, device: torch.device, offload: str, who: str, partitioned: tuple[int, int] | None) -> str:

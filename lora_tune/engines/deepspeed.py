@@ -97,6 +97,7 @@ SPEC = BackendSpec(
     description="DeepSpeed ZeRO-1/2/3 (--zero), optional CPU offload",
     stages=(1, 2, 3),
     multi_process=True,
+    default=False,
     refusal=refusal,
     loads_layer_by_layer=loads_layer_by_layer,
     label=lambda stage: f"ZeRO-{stage}",

@@ -60,6 +60,7 @@ SPEC = BackendSpec(
     description="PyTorch FSDP2: shards weights, gradients and optimizer states (fully_shard per layer), optional CPU offload",
     stages=(0,),  # FSDP2 has no stages: it always shards weights, gradients and states
     multi_process=True,
+    default=False,
     refusal=refusal,
     loads_layer_by_layer=lambda precision, stage: True,
     label=lambda stage: "FSDP2",
@@ -79,10 +80,7 @@ class FSDPEngine:
     def __init__(self, cfg, device: torch.device):
         self.cfg = cfg
         self.device = device
-        if not torch.distributed.is_initialized():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        dist.join(device)
         self.mesh = init_device_mesh(device.type, (dist.world_size(),))
 
     # --- loading -------------------------------------------------------------------------------

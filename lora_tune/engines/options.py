@@ -25,7 +25,7 @@ class EngineOptions(Options):
         None,
         json_schema_extra={**LAYOUT, "registry": "names"},
         description="Training engine (see the README's compatibility matrix); default: the backend whose stage --zero names, "
-        "else one device.",
+        "else ddp with several processes, else one device.",
     )
     zero: int = Field(
         0,
@@ -52,7 +52,7 @@ class EngineOptions(Options):
         json_schema_extra=fixed("counts its place in the data in micro-batches dealt to processes / N data-parallel groups"),
         description="Split every packed row across N ranks (Ulysses: an all-to-all around attention), each holding 1/N of its "
         "tokens, for rows longer than one device holds; --nproc must be a multiple of N (data parallel across the groups). SFT, "
-        "ZeRO-1/2/3 or FSDP2.",
+        "with DDP, ZeRO-1/2/3 or FSDP2.",
     )
     nproc: int | None = Field(
         None,

@@ -23,6 +23,15 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", 1))
 
 
+def processes(cfg) -> tuple[int, int]:
+    """(processes per node, nodes) a configuration runs with: `plan`'s --gpus and --nodes, else
+    --nproc (one node), else the launcher's world (torchrun's local and total sizes; one process
+    when not launched)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    per_node = getattr(cfg, "gpus", None) or cfg.nproc or local
+    return per_node, getattr(cfg, "nodes", None) or max(1, world_size() // local)
+
+
 def is_main() -> bool:
     return rank() == 0
 
@@ -30,6 +39,16 @@ def is_main() -> bool:
 def launched() -> bool:
     """True inside torchrun / deepspeed / accelerate launch (they all set LOCAL_RANK)."""
     return "LOCAL_RANK" in os.environ
+
+
+def join(device: torch.device) -> None:
+    """This process into the job's process group (once), on the backend that reduces this device's
+    tensors: NCCL for a GPU, gloo for a CPU."""
+    if torch.distributed.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
 
 def barrier() -> None:

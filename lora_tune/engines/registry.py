@@ -7,9 +7,10 @@ is the registry that reads the specs for the config's choices, the compatibility
 and `plan --auto`. Adding a backend = one module with a `SPEC` and an `Engine` + one line in
 `BUILTIN` (or `register(spec)` from outside the package).
 
-Backends: `single` (one process, one device), `deepspeed` (ZeRO-1/2/3, optional CPU offload) and
-`fsdp` (PyTorch FSDP2, `fully_shard` per decoder layer, optional CPU offload). Their modules import
-DeepSpeed / FSDP only when that backend runs.
+Backends: `single` (one process, one device), `ddp` (PyTorch DistributedDataParallel: the base whole
+on every rank, the adapter's gradients all-reduced), `deepspeed` (ZeRO-1/2/3, optional CPU offload)
+and `fsdp` (PyTorch FSDP2, `fully_shard` per decoder layer, optional CPU offload). The DeepSpeed
+module imports DeepSpeed only when that backend runs.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from typing import ClassVar, Protocol
 import torch
 
 from lora_tune.data.batching import MicroBatch
-from lora_tune.engines import deepspeed, fsdp, single
+from lora_tune.engines import ddp, deepspeed, fsdp, single
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import OFFLOAD_LABEL, OFFLOADS, PRECISIONS, BackendSpec
 from lora_tune.errors import UserError
+from lora_tune.models import sequence_parallel
 
 
 class Engine(Protocol):
@@ -89,7 +91,7 @@ class Engine(Protocol):
 
 
 # --- registry ----------------------------------------------------------------------------------
-BUILTIN = (single.SPEC, deepspeed.SPEC, fsdp.SPEC)
+BUILTIN = (single.SPEC, ddp.SPEC, deepspeed.SPEC, fsdp.SPEC)
 BACKENDS: dict[str, BackendSpec] = {spec.name: spec for spec in BUILTIN}
 
 
@@ -116,9 +118,15 @@ def stages() -> dict[int, str]:
     return {stage: ", ".join(found[stage]) for stage in sorted(found)}
 
 
+def several_processes(cfg) -> bool:
+    """Whether a configuration runs several processes (--nproc N, torchrun, `plan --gpus N`)."""
+    per_node, nodes = dist.processes(cfg)
+    return per_node * nodes > 1
+
+
 def spec_of(cfg) -> BackendSpec:
     """The backend a configuration selects: --backend as given; else the one whose stage --zero
-    names (so `--zero 3` alone keeps working); else the one-process backend."""
+    names (so `--zero 3` alone keeps working); else the default for one process or for several."""
     if cfg.backend and cfg.backend not in BACKENDS:
         raise UserError(f"--backend: got {cfg.backend!r}; choose one of {', '.join(BACKENDS)}")
     if cfg.zero not in stages():
@@ -127,7 +135,8 @@ def spec_of(cfg) -> BackendSpec:
         return BACKENDS[cfg.backend]
     if cfg.zero:
         return next(s for s in BACKENDS.values() if cfg.zero in s.stages)
-    return next(s for s in BACKENDS.values() if not s.multi_process)
+    several = several_processes(cfg)
+    return next(s for s in BACKENDS.values() if s.default and s.multi_process == several)
 
 
 def backend_name(cfg) -> str:
@@ -212,13 +221,34 @@ def check_compatibility(cfg, paths: bool = True) -> None:
         for option in other.options:
             if other is not spec and getattr(cfg, option, None):
                 raise UserError(f"--{option.replace('_', '-')} belongs to --backend {other.name} (the {spec.name} backend runs)")
+    if not spec.multi_process and several_processes(cfg):
+        choices = " or ".join(" ".join(s.flags(s.stages[0])) for s in BACKENDS.values() if s.multi_process)
+        raise UserError(f"several processes need a backend that coordinates them: use {choices} (or leave --backend out)")
     if not paths:
         return
-    if not spec.multi_process and max(cfg.nproc or 1, dist.world_size()) > 1:
-        choices = " or ".join(" ".join(s.flags(s.stages[0])) for s in BACKENDS.values() if s.multi_process)
-        raise UserError(f"several processes need a backend that coordinates them: add {choices}")
     if spec.check_inputs:
         spec.check_inputs(cfg)
+
+
+def check_sequence_parallel(cfg, config, world: int) -> None:
+    """--sequence-parallel N on `world` processes: what it can serve for this model (its transformers
+    `config`), before anything loads. Train asks it with the processes it runs, `plan` with its GPUs."""
+    n = cfg.sequence_parallel
+    if n == 1:
+        return
+    if not spec_of(cfg).multi_process:
+        raise UserError(f"--sequence-parallel {n} splits rows across processes: run several (--nproc {n}), leaving --backend single out")
+    if world % n:
+        raise UserError(f"--sequence-parallel {n} must divide the number of processes ({world}): use --nproc {max(n, world // n * n)}")
+    if cfg.objective != "sft":
+        raise UserError(f"--sequence-parallel trains --objective sft for now, not {cfg.objective}; leave it out (or use sft)")
+    if cfg.loss_chunk_size == 0:
+        raise UserError("--sequence-parallel needs the chunked loss (each rank scores its slice of the row): leave --loss-chunk-size out")
+    if cfg.compile:
+        raise UserError("--sequence-parallel exchanges slices of rows inside attention, which --compile can't capture yet: leave it out")
+    reason = sequence_parallel.refusal(config, n)
+    if reason:
+        raise UserError(f"--sequence-parallel {n}: {reason}")
 
 
 def create(cfg, device: torch.device) -> Engine:

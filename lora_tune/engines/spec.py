@@ -86,6 +86,9 @@ class BackendSpec:
     # Coordinates several processes (one device backends refuse N > 1: N independent runs would
     # each write the same output folder).
     multi_process: bool
+    # What a run gets when neither --backend nor --zero names a backend: the default of one process
+    # (multi_process False) and the default of several (True); one of each.
+    default: bool
     refusal: Callable[[str, int, str], str | None]  # (precision, stage, offload) -> why this cell isn't offered
     loads_layer_by_layer: Callable[[str, int], bool]  # (precision, stage) -> streams the base layer by layer
     label: Callable[[int], str]  # (stage) -> how tables name it: "one device", "ZeRO-3", "FSDP2"

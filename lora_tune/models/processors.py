@@ -6,19 +6,26 @@ the token types some families want (Gemma 3's `token_type_ids`, the multimodal r
 `mm_token_type_ids`), all from the processor's and the config's own declarations.
 
 Loading it is tolerant: a text run on an image-text checkpoint (today's use) must not need it, so a
-processor that can't load is kept as the reason and said only when a row brings an image.
+processor that can't load is kept as the reason and said only when a row brings an image. A processor
+whose video processor can't be built (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: it needs torchvision, which
+CPU-only installs lack) is built without it, from the image processor (PIL/numpy) and the tokenizer:
+images train as usual, and video parts are refused by the data formats, which train none.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import torch
-from transformers import AutoProcessor
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING
 
 from lora_tune.errors import first_line
 from lora_tune.models.structure import is_image_text, meta_model, multimodal_body
+
+log = logging.getLogger("lora_tune")
 
 TOKEN_TYPE_INPUTS = ("token_type_ids", "mm_token_type_ids")  # 1 on image tokens, 0 elsewhere
 
@@ -106,7 +113,14 @@ def load_image_text(base_path: str, config, cfg) -> ImageText | str | None:
         processor = AutoProcessor.from_pretrained(base_path, trust_remote_code=cfg.trust_remote_code)
     except ImportError as e:
         missing = first_line(e)[:160]
-        return f"--base {cfg.base}: its processor needs a package that is missing ({missing}); install it (pip install torchvision)"
+        processor = without_video(base_path, config, cfg.trust_remote_code)
+        if processor is None:
+            return f"--base {cfg.base}: its processor needs a package that is missing ({missing}); install it (pip install torchvision)"
+        log.info(
+            "processor: %s without its video processor (%s); images train as usual, video inputs are refused",
+            type(processor).__name__,
+            missing,
+        )
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         return f"--base {cfg.base}: its image processor can't be loaded ({first_line(e)[:160]}); the folder needs the processor files"
     if not hasattr(processor, "image_processor") or not getattr(processor, "image_token", None):
@@ -119,3 +133,36 @@ def load_image_text(base_path: str, config, cfg) -> ImageText | str | None:
         return ImageText(processor, config, cfg.max_pixels, cfg.min_pixels, body)
     except (ValueError, TypeError, AttributeError, KeyError) as e:  # said only when a row brings an image
         return f"--base {cfg.base}: its images can't be prepared for training ({first_line(e)[:160]})"
+
+
+def without_video(base_path: str, config, trust_remote_code: bool):
+    """The base's processor built from its image processor and tokenizer alone, where its class also
+    takes a video processor (None where it takes other parts, or these can't load). transformers
+    builds a processor from the parts `get_attributes()` names; this class of it names no video
+    processor, so the image processor (the PIL/numpy one when torchvision is missing) and the
+    tokenizer make it whole. Its chat template is the processor's own (chat_template.jinja/json)."""
+    cls = PROCESSOR_MAPPING.get(type(config), None)
+    if cls is None or sorted(cls.get_attributes()) != ["image_processor", "tokenizer", "video_processor"]:
+        return None
+    try:
+        images = AutoImageProcessor.from_pretrained(base_path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(base_path, trust_remote_code=trust_remote_code)
+        saved, _ = cls.get_processor_dict(base_path)
+    except (ImportError, OSError, ValueError) as e:
+        log.info("processor without its video processor: can't be built either (%s)", first_line(e)[:160])
+        return None
+    return image_only(cls)(images, tokenizer, chat_template=saved.get("chat_template"))
+
+
+def image_only(cls):
+    """`cls` (a processor class of image, tokenizer and video parts) without the video part: its own
+    __init__ passes the parts on positionally, and transformers pairs them with `get_attributes()`."""
+
+    def get_attributes(kind) -> list[str]:
+        return [a for a in cls.get_attributes() if a != "video_processor"]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    # The same name: what the processor writes and fingerprints (processor_class) is the family's.
+    return type(cls.__name__, (cls,), {"__init__": __init__, "get_attributes": classmethod(get_attributes), "video_processor": None})

@@ -13,20 +13,20 @@ import json
 from dataclasses import asdict, dataclass, replace
 
 from lora_tune.engines import registry as engines
-from lora_tune.errors import UserError
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
-from lora_tune.planner.memory import Estimate, Setup, estimate, setup_from
+from lora_tune.planner.memory import Estimate, estimate, setup_from
+from lora_tune.planner.records import Setup
 from lora_tune.planner.search import (
-    BUDGET_SHARE,
     CONTEXT_STEP,
     at_length,
     fewest_checkpointed,
     fits,
     longest_context,
+    memory_budget,
     search,
-    sequence_parallel_degrees,
+    split_degrees,
 )
 from lora_tune.planner.speed import relative_speed
 from lora_tune.training import compilation
@@ -65,9 +65,10 @@ def compute(cfg) -> Plan:
     engines.check_compatibility(cfg, paths=False)
     compilation.check_cell(cfg, engines.spec_of(cfg))
     arch = load_architecture(cfg.base)
-    if not cfg.auto:
-        engines.check_layer_by_layer(cfg, arch.quantized)
     setup = setup_from(cfg)
+    if not cfg.auto:  # --auto searches the cells and degrees train accepts (search.py)
+        engines.check_layer_by_layer(cfg, arch.quantized)
+        engines.check_sequence_parallel(cfg, arch.config, setup.world)
     gpu_bytes = gpu_memory_bytes(cfg.gpu_memory)
     cpu_bytes = cpu_memory_bytes(cfg.cpu_memory)
     recommended = None
@@ -85,8 +86,7 @@ def compute(cfg) -> Plan:
             text = f"fastest setup that fits (relative speed {relative_speed(best, arch.layers):.2f}):\n{table}\n\n{command}"
     else:
         if cfg.gradient_checkpointing == "auto":  # what train would choose on this GPU
-            budget = int(cfg.memory_budget * 2**30) if cfg.memory_budget is not None else int(BUDGET_SHARE * gpu_bytes)
-            setup = fewest_checkpointed(arch, setup, budget)
+            setup = fewest_checkpointed(arch, setup, memory_budget(cfg.memory_budget, gpu_bytes)[0])
         est = estimate(arch, setup)
         text = render.table(est, setup, gpu_bytes, cpu_bytes, arch.layers)
     for note in (render.quantization_note(arch, setup.precision), render.recurrent_note(arch), render.vision_note(arch, setup)):
@@ -97,11 +97,7 @@ def compute(cfg) -> Plan:
 def context_plan(cfg, arch, setup: Setup, gpu_bytes: int, cpu_bytes: int | None) -> Plan:
     """`plan --max-context`: the longest rows that fit this setup; with --auto, over every
     --sequence-parallel degree the ranks allow."""
-    if cfg.auto and setup.world > 1 and not engines.spec_of(cfg).multi_process:
-        raise UserError(
-            "plan --max-context --auto over several GPUs splits rows across ranks: name a sharding backend (--zero 1|2|3 or --backend fsdp)"
-        )
-    degrees = sequence_parallel_degrees(arch, setup.world) if cfg.auto else [setup.sequence_parallel]
+    degrees = split_degrees(arch, setup, engines.spec_of(cfg)) if cfg.auto else [setup.sequence_parallel]
     tiled = cfg.tiled_mlp != "off"
     found = [s for n in degrees if (s := longest_context(arch, replace(setup, sequence_parallel=n), gpu_bytes, cpu_bytes, tiled))]
     if not found:

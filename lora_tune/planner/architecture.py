@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,7 +19,8 @@ from lora_tune.errors import UserError, first_line
 from lora_tune.models.aliases import ALIASES, architecture, looks_like_path, resolve_base
 from lora_tune.models.structure import block_modules, linear_name, meta_model, recurrent_layers
 from lora_tune.models.targets import ROUTERS, Inventory, block_path, is_plain_linear, peft_accepted, resolve_targets
-from lora_tune.planner.vision import VisionTower, read_tower
+from lora_tune.planner.records import VisionTower
+from lora_tune.planner.vision import read_tower
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class Architecture:
     quantized: str | None = None  # the quant_method of a checkpoint that ships quantized weights (fp8, mxfp4)
     recurrent: int = 0  # layers with a recurrent/convolution state (linear attention, SSM) instead of attention
     vision: VisionTower | None = None  # an image-text model's vision tower and projector (lora_tune.planner.vision)
+    # The transformers config the shapes were read from: what train's own checks ask of the model
+    # (sequence parallelism), so the plan recommends only what train accepts.
+    config: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(cls, c: dict) -> Architecture:
@@ -127,6 +131,7 @@ def _architecture(config_json: str) -> Architecture:
         quantized=(c.get("quantization_config") or {}).get("quant_method"),
         recurrent=recurrent_layers(config),
         vision=vision,
+        config=config,
     )
 
 

@@ -55,6 +55,7 @@ from lora_tune.models.head import auto_chunk_size
 from lora_tune.models.targets import resolve_targets
 from lora_tune.planner import vision
 from lora_tune.planner.architecture import Architecture
+from lora_tune.planner.records import Setup
 from lora_tune.training.generation import registry as generation
 from lora_tune.training.objectives import registry as objectives
 
@@ -62,59 +63,6 @@ GIB = 2**30
 CUDA_CONTEXT = 512 * 2**20  # CUDA context + cuBLAS workspace: outside max_memory_allocated, but real
 ELEMENT = {"fp32": 4, "bf16": 2, "fp16": 2, "8bit": 2, "4bit": 2}  # compute dtype size
 SHARD_BYTES = 5 * 10**9  # the usual largest checkpoint shard: what a whole-model load streams at a time
-
-
-@dataclass(frozen=True)
-class Setup:
-    precision: str = "bf16"
-    rank: int = 16
-    target_modules: tuple[str, ...] | None = None  # None: the default targets (every linear layer of the blocks, experts)
-    micro_batch_size: int = 1
-    max_seq_len: int = 2048
-    gradient_checkpointing: bool = True
-    kept_layers: int = 0  # with checkpointing: decoder layers (the last ones) that keep their activations
-    optim: str = "adamw_8bit"
-    loss_chunk_size: int | None = None  # None: lora_tune.models.head.auto_chunk_size; 0: full logits
-    activation_offload: bool = False
-    backend: str = "single"
-    zero: int = 0
-    offload: str = "none"
-    gpus: int = 1
-    nodes: int = 1
-    objective: str = "sft"
-    sequences_per_unit: int = 1  # preference objectives score two sequences (chosen, rejected) per unit
-    reference: bool = False  # the objective scores the reference policy too (one no-grad forward per unit)
-    new_tokens: int = 0  # online RL: tokens generated per completion (--max-new-tokens), trained after the prompt
-    rollout_sequences: int = 0  # online RL: completions generated at once (a step's: micro-batch x grad-accum)
-    rollout: str = "transformers"  # what generates them (lora_tune.training.generation.registry.name)
-    pass_tokens: int | None = None  # a CPU's passes: padded tokens per forward + backward pass; None: a micro-batch per pass
-    sequence_parallel: int = 1  # ranks sharing every row (--sequence-parallel): each holds 1/N of its tokens
-    mlp_tiles: int = 0  # --tiled-mlp: tiles of each decoder layer's MLP (0: untiled)
-    # The attention implementation (lora_tune.models.loading.attention_implementation): sdpa, sdpa_packed
-    # and eager get a [tokens x tokens] mask per row from transformers; flash-attention and
-    # sequence parallelism's attention (ulysses_*) none.
-    attention: str = "flash_attention_2"
-    max_pixels: int = 1024 * 1024  # --max-pixels: image-text models' largest image (lora_tune.planner.vision)
-    train_vision: bool = False  # --train-vision: LoRA on the vision tower, its activations kept for backward
-
-    @property
-    def world(self) -> int:
-        return self.gpus * self.nodes
-
-    @property
-    def row_tokens(self) -> int:
-        """A row's tokens on one rank: packing fills rows to max_seq_len (per sequence of a unit),
-        the worst case without it; under sequence parallelism each rank holds 1/N of the row."""
-        return math.ceil((self.max_seq_len + self.new_tokens) * self.sequences_per_unit / self.sequence_parallel)
-
-    @property
-    def tokens(self) -> int:
-        """Per forward + backward pass on one rank (a micro-batch, or on a CPU the full rows a pass
-        holds). A pair's reference forward (per step, no gradient) runs one layer at a time and
-        peaks below training's backward, so it adds time, not memory."""
-        row = self.row_tokens
-        rows = self.micro_batch_size if self.pass_tokens is None else min(self.micro_batch_size, max(1, self.pass_tokens // row))
-        return rows * row
 
 
 @dataclass(frozen=True)

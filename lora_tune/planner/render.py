@@ -10,7 +10,8 @@ from lora_tune.engines import registry as engines
 from lora_tune.models.loading import unquantized_experts
 from lora_tune.planner import speed, vision
 from lora_tune.planner.architecture import Architecture
-from lora_tune.planner.memory import ELEMENT, GIB, Estimate, Setup
+from lora_tune.planner.memory import ELEMENT, GIB, Estimate
+from lora_tune.planner.records import Setup
 
 OOM_ADVICE = [
     "a smaller --micro-batch-size with a larger --grad-accum (same effective batch)",

@@ -16,8 +16,9 @@ from lora_tune.models.adapter import Checkpointing
 from lora_tune.models.tiled_mlp import tile_count
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
-from lora_tune.planner.memory import GIB, Setup, estimate, recomputed_layers, setup_from
-from lora_tune.planner.search import BUDGET_SHARE, fewest_checkpointed
+from lora_tune.planner.memory import GIB, estimate, recomputed_layers, setup_from
+from lora_tune.planner.records import Setup
+from lora_tune.planner.search import fewest_checkpointed, memory_budget
 from lora_tune.planner.speed import checkpointing_cost
 
 if TYPE_CHECKING:
@@ -41,6 +42,11 @@ def device_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # CPU runs live in host RAM
 
 
+def run_budget(cfg: TrainConfig, device: torch.device) -> tuple[int, str] | None:
+    """search.memory_budget for the device this run trains on (None on a CPU without --memory-budget)."""
+    return memory_budget(cfg.memory_budget, device_memory_bytes(device) if device.type == "cuda" else None)
+
+
 def auto_tiling(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> Setup:
     """--tiled-mlp: on tiles every MLP; auto tiles when the plan with every layer checkpointed exceeds
     the budget (--memory-budget, the GPU's memory less 10%, a CPU's RAM) and tiling lowers it: tiles
@@ -54,9 +60,7 @@ def auto_tiling(cfg: TrainConfig, arch, setup: Setup, device: torch.device) -> S
     tiled = replace(setup, mlp_tiles=tiles)
     why = "--tiled-mlp on"
     if cfg.tiled_mlp == "auto":
-        budget = int(cfg.memory_budget * GIB) if cfg.memory_budget is not None else device_memory_bytes(device)
-        if device.type == "cuda" and cfg.memory_budget is None:
-            budget = int(BUDGET_SHARE * budget)
+        budget, _ = run_budget(cfg, device) or (device_memory_bytes(device), "a CPU's RAM")
         every_layer = replace(setup, gradient_checkpointing=True, kept_layers=0)
         untiled_need = estimate(arch, every_layer).per_device["total_bytes"]
         tiled_need = estimate(arch, replace(every_layer, mlp_tiles=tiles)).per_device["total_bytes"]
@@ -75,14 +79,14 @@ def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.devic
     (--memory-budget, else the GPU's memory less 10%). A CPU has no device budget: the fewest whose
     plan needs no more than checkpointing every layer (the last layer keeps its activations: backward
     reaches it first, and rebuilding it would take the same memory)."""
-    if cfg.memory_budget is not None:
-        budget, source = int(cfg.memory_budget * GIB), f"--memory-budget {cfg.memory_budget:g} GiB"
-    elif device.type == "cuda":
-        budget = int(BUDGET_SHARE * device_memory_bytes(device))
-        source = f"{BUDGET_SHARE:.0%} of {device_memory_bytes(device) / GIB:.1f} GiB"
-    else:
-        budget = estimate(arch, replace(setup, gradient_checkpointing=True, kept_layers=0)).per_device["total_bytes"]
-        source = f"the {budget / GIB:.2f} GiB of checkpointing every layer: no device memory budget on {device}, --memory-budget sets one"
+    found = run_budget(cfg, device)
+    if found is None:
+        every_layer = estimate(arch, replace(setup, gradient_checkpointing=True, kept_layers=0)).per_device["total_bytes"]
+        found = (
+            every_layer,
+            f"the {every_layer / GIB:.2f} GiB of checkpointing every layer: no device memory budget on {device}, --memory-budget sets one",
+        )
+    budget, source = found
     chosen = fewest_checkpointed(arch, setup, budget)
     need = estimate(arch, chosen).per_device["total_bytes"] / GIB
     recomputed = recomputed_layers(arch, chosen)

@@ -6,10 +6,11 @@ from dataclasses import replace
 from itertools import product
 
 from lora_tune.engines import registry as engines
-from lora_tune.models.sequence_parallel import implementation as sequence_parallel_attention_name
+from lora_tune.models import sequence_parallel
 from lora_tune.models.tiled_mlp import tile_count
 from lora_tune.planner.architecture import Architecture
-from lora_tune.planner.memory import Estimate, Setup, estimate
+from lora_tune.planner.memory import GIB, Estimate, estimate
+from lora_tune.planner.records import Setup
 from lora_tune.planner.speed import relative_speed
 
 SEARCHED_PRECISIONS = ("bf16", "8bit", "4bit")  # fp32 and fp16 are never the fastest fitting choice
@@ -32,8 +33,7 @@ def candidates(base: Setup, arch: Architecture, gpu_bytes: int):
             continue  # one process can't use several GPUs
         if base.world == 1 and cell.spec.multi_process and cell.offload == "none":
             continue  # sharding over one GPU only matters with offload
-        # Rows split over ranks (sequence parallel) where the model allows: SFT, several processes.
-        degrees = sequence_parallel_degrees(arch, base.world) if cell.spec.multi_process and base.objective == "sft" else [1]
+        degrees = split_degrees(arch, base, cell.spec)
         for (ckpt, act_offload), mbs, degree in product(((False, False), (True, False), (True, True)), micro_batches, degrees):
             setup = replace(
                 base,
@@ -50,10 +50,21 @@ def candidates(base: Setup, arch: Architecture, gpu_bytes: int):
             )
             yield setup
             if ckpt and not act_offload:  # what --gradient-checkpointing auto would choose on this GPU
-                yield fewest_checkpointed(arch, setup, int(BUDGET_SHARE * gpu_bytes))
+                yield fewest_checkpointed(arch, setup, memory_budget(None, gpu_bytes)[0])
 
 
 BUDGET_SHARE = 0.9  # --gradient-checkpointing auto plans for the GPU's memory less 10% unless given a budget
+
+
+def memory_budget(memory_budget_gib: float | None, gpu_bytes: int | None) -> tuple[int, str] | None:
+    """The memory the automatic choices (--gradient-checkpointing auto, --tiled-mlp auto) plan a run
+    to fit, and where the figure comes from: --memory-budget, else the GPU's memory (`gpu_bytes`) less
+    10%; None with neither (a CPU: its RAM is no device budget, each choice says what it does then)."""
+    if memory_budget_gib is not None:
+        return int(memory_budget_gib * GIB), f"--memory-budget {memory_budget_gib:g} GiB"
+    if gpu_bytes is not None:
+        return int(BUDGET_SHARE * gpu_bytes), f"{BUDGET_SHARE:.0%} of {gpu_bytes / GIB:.1f} GiB"
+    return None
 
 
 def fewest_checkpointed(arch: Architecture, setup: Setup, budget_bytes: int) -> Setup:
@@ -119,12 +130,22 @@ def longest_context(arch: Architecture, setup: Setup, gpu_bytes: int, cpu_bytes:
     return at_length(arch, setup, low * step, tiled)
 
 
+def split_degrees(arch: Architecture, setup: Setup, spec) -> list[int]:
+    """The --sequence-parallel degrees train runs this setup with under the backend `spec`
+    (engines.check_sequence_parallel): SFT with the chunked loss, over several processes a backend
+    coordinates, and what the model allows; else rows whole (1)."""
+    if not (spec.multi_process and setup.objective == "sft" and setup.loss_chunk_size != 0):
+        return [1]
+    return sequence_parallel_degrees(arch, setup.world)
+
+
 def sequence_parallel_degrees(arch: Architecture, world: int) -> list[int]:
-    """The --sequence-parallel degrees `train` accepts on `world` ranks: divisors of the world that
-    divide the attention heads."""
-    return [n for n in range(1, world + 1) if world % n == 0 and arch.heads % n == 0]
+    """The --sequence-parallel degrees `train` accepts on `world` ranks for this model: divisors of
+    the world that the model's own refusal lets through (its heads split evenly, attention it
+    reproduces: no sliding windows, text-only)."""
+    return [n for n in range(1, world + 1) if world % n == 0 and (n == 1 or sequence_parallel.refusal(arch.config, n) is None)]
 
 
 def sequence_parallel_attention(attention: str, degree: int) -> str:
     """The attention a setup runs with rows split over `degree` ranks."""
-    return sequence_parallel_attention_name(attention.removeprefix("ulysses_"), degree)
+    return sequence_parallel.implementation(attention.removeprefix("ulysses_"), degree)

@@ -6,7 +6,7 @@ setups; not a prediction of absolute speed."""
 from __future__ import annotations
 
 from lora_tune.engines import registry as engines
-from lora_tune.planner.memory import Setup
+from lora_tune.planner.records import Setup
 
 SLOWDOWN = {
     "precision": {"bf16": 1.0, "fp16": 1.0, "fp32": 2.5, "8bit": 1.6, "4bit": 1.3},

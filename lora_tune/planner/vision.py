@@ -44,8 +44,7 @@ a micro-batch's images, and the tower's forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import bitsandbytes as bnb
 import torch
@@ -56,34 +55,10 @@ from lora_tune.engines.spec import BackendSpec, ModelStates
 from lora_tune.models.loading import quantization_config
 from lora_tune.models.structure import is_image_text, linear_name, vision_parts
 from lora_tune.models.targets import is_plain_linear
-
-if TYPE_CHECKING:
-    from lora_tune.planner.memory import Setup
+from lora_tune.planner.records import Setup, VisionTower
 
 ONE_OP_ACTIVATIONS = {"gelu", "gelu_pytorch_tanh", "relu", "silu", "swish"}  # one PyTorch op: no temporary
 FP32 = 4
-
-
-@dataclass(frozen=True)
-class VisionTower:
-    """What an image-text model holds outside its language model, and the shapes its forward uses."""
-
-    params: int  # every parameter of the tower and the projector, once
-    quantized: tuple[tuple[int, int], ...]  # (in, out) of the linear layers bitsandbytes quantizes in 8/4-bit loads
-    linears: tuple[tuple[str, int, int], ...]  # (short name, in, out) of every plain linear layer (--train-vision's LoRA)
-    layers: int  # the tower's blocks
-    width: int  # w: its hidden size
-    intermediate: int  # i: its MLP's width
-    heads: int
-    gated: bool
-    one_op_activation: bool
-    rotary: bool  # rotary positions (Qwen2-VL, Pixtral): q, k and their rotated copies in the attention
-    patch: int  # pixels per patch side
-    channels: int
-    temporal: int  # frames per patch (Qwen2-VL's temporal_patch_size: an image is repeated)
-    image_size: int | None  # fixed-size families: every image is resized to it; None: dynamic resolution
-    merge: int  # patches per side merged into one language-model token
-    tokens_per_image: int | None  # language-model tokens per image where the config fixes them (Gemma 3)
 
 
 def _size(value) -> int | None:

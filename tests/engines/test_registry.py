@@ -32,6 +32,7 @@ TOY = replace(
     name="toy",
     description="a test backend that splits only the optimizer states",
     multi_process=True,
+    default=False,
     refusal=toy_refusal,
     label=lambda stage: "Toy",
     flags=lambda stage: ("--backend", "toy"),
@@ -81,10 +82,25 @@ def test_a_registered_backend_is_a_choice_in_help_and_refuses_its_own_cells(toy,
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "--backend single|deepspeed|fsdp|toy" in text and "toy: a test backend that splits only the optimizer states" in text
+    assert "--backend single|ddp|deepspeed|fsdp|toy" in text and "toy: a test backend that splits only the optimizer states" in text
     cfg = build_config(PlanConfig, {}, {"base": "llama-8b", "backend": "toy", "precision": "fp32"})
     with pytest.raises(Exception, match="--precision fp32 with --backend toy: the toy backend computes in bf16 only"):
         check_compatibility(cfg, paths=False)
+
+
+def test_ddp_is_planned_with_every_state_whole_on_each_rank(capsys):
+    """`plan --gpus 4` with no backend plans DDP: each GPU holds what one device holds."""
+
+    def plan(*argv):
+        code, out, err = run_cli(["plan", "--base", "llama-8b", "--precision", "bf16", "--json", *argv], capsys)
+        assert code == 0, err
+        return json.loads(out)["per_device"]
+
+    one, ddp = plan(), plan("--gpus", "4")
+    assert ddp == one and ddp["optimizer_bytes"] > 0
+    assert plan("--gpus", "4", "--zero", "1")["optimizer_bytes"] == pytest.approx(one["optimizer_bytes"] / 4, abs=1)
+    code, out, err = run_cli(["plan", "--base", "llama-8b", "--precision", "bf16", "--gpus", "4"], capsys)
+    assert code == 0 and ", DDP, offload none, 4 GPU(s) x 1 node(s)" in out, err
 
 
 def test_the_builtin_matrix_refuses_what_it_does_not_run():
@@ -104,12 +120,25 @@ def test_the_builtin_matrix_refuses_what_it_does_not_run():
         Cell("fsdp", "8bit", 0, "cpu"),
     } <= cells
     assert Cell("single", "bf16", 0, "cpu").refusal() is not None
+    assert {Cell("ddp", precision, 0, "none") for precision in ("fp32", "bf16", "fp16", "8bit", "4bit")} <= cells
+    assert not any(c.backend == "ddp" and c.offload != "none" for c in cells)
 
 
 def test_zero_alone_selects_the_backend_that_runs_that_stage():
     assert engines.backend_name(build_config(PlanConfig, {}, {"base": "b", "zero": 2})) == "deepspeed"
     assert engines.backend_name(build_config(PlanConfig, {}, {"base": "b"})) == "single"
     assert engines.backend_name(build_config(PlanConfig, {}, {"base": "b", "backend": "fsdp"})) == "fsdp"
+
+
+@pytest.mark.parametrize("several", [dict(nproc=2), dict(gpus=8), dict(nodes=2, gpus=1)])
+def test_several_processes_without_a_backend_run_ddp(several):
+    """DDP is the default whenever several processes run and neither --backend nor --zero names one;
+    --zero and --backend still choose."""
+    assert engines.backend_name(build_config(PlanConfig, {}, {"base": "b", **several})) == "ddp"
+    assert engines.backend_name(build_config(PlanConfig, {}, {"base": "b", "zero": 1, **several})) == "deepspeed"
+    assert engines.backend_name(build_config(PlanConfig, {}, {"base": "b", "backend": "fsdp", **several})) == "fsdp"
+    with pytest.raises(Exception, match="several processes need a backend that coordinates them"):
+        check_compatibility(build_config(PlanConfig, {}, {"base": "b", "backend": "single", **several}), paths=False)
 
 
 @pytest.mark.parametrize(
@@ -126,7 +155,8 @@ def test_zero_alone_selects_the_backend_that_runs_that_stage():
             dict(backend="fsdp", zero_config=str(ROOT / "configs" / "deepspeed" / "zero2.json")),
             "--zero-config belongs to --backend deepspeed",
         ),
-        (dict(nproc=2), "several processes need a backend that coordinates them"),
+        (dict(backend="ddp", offload="cpu"), "DDP keeps every state whole on each rank's device; to offload, shard them"),
+        (dict(nproc=2, backend="single"), "several processes need a backend that coordinates them: use --backend ddp"),
     ],
 )
 def test_refused_cells_of_the_compatibility_matrix(overrides, expected, tiny_model, data_files, tmp_path, capsys):

@@ -37,6 +37,7 @@ RUNS = {
     "zero2-sp": dict(zero=2),
     "zero3-sp-offload": dict(zero=3, offload="cpu"),
     "fsdp-sp-eager-unpacked": dict(backend="fsdp", attn_implementation="eager", packing=False),
+    "ddp-sp": dict(backend="ddp"),
 }
 # QLoRA (bf16 compute on a 4-bit base): the first step's loss, before any update, against one process.
 QLORA = dict(precision="4bit", optim="adamw_8bit", max_steps=1, micro_batch_size=2, grad_accum=2, save_steps=1000)

@@ -1,4 +1,4 @@
-"""The sharding backends (DeepSpeed ZeRO-1/2/3, FSDP2) through the real CLI: 2 processes, gloo, CPU.
+"""The multi-process backends (DDP, DeepSpeed ZeRO-1/2/3, FSDP2) through the real CLI: 2 processes, gloo, CPU.
 
 The distributed runs of this file go through one 2-process job (`run_jobs`), one after another: the
 matrix of accepted cells and the train/resume pairs cost one start-up together. The run killed by
@@ -59,15 +59,17 @@ RESUMED = {
     "fsdp-8bit": dict(backend="fsdp", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     # PiSSA decomposed layer by layer as FSDP2 streams the base in; checkpoints hold the converted adapter.
     "fsdp-pissa": dict(backend="fsdp", precision="bf16", init_lora_weights="pissa_niter_2", optim="adamw_8bit", lr=5e-2),
+    "ddp-4bit": dict(backend="ddp", precision="4bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
 }
 RUN_ARGS = dict(max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=2)
 # Resumed with --allow-config-change and these: each engine's optimizer must take them from step 3 on.
-CHANGED_ON_RESUME = ("zero2-8bit", "fsdp-bf16")
+CHANGED_ON_RESUME = ("zero2-8bit", "fsdp-bf16", "ddp-4bit")
 CHANGES = dict(lr=2e-2, weight_decay=0.1)
-# DPO over packed pairs: the reference precomputed in a collective pass (ZeRO-3) or per step (FSDP2).
+# DPO over packed pairs: the reference precomputed in a collective pass (ZeRO-3) or per step (FSDP2, DDP).
 PREFERENCE = {
     "zero3-dpo": dict(zero=3, reference="precompute"),
     "fsdp-dpo": dict(backend="fsdp", reference="per-step"),
+    "ddp-dpo": dict(backend="ddp", reference="per-step"),
 }
 PREFERENCE_ARGS = dict(objective="dpo", precision="fp32", optim="adamw", max_steps=4, save_steps=2, micro_batch_size=2, grad_accum=1)
 PAIRS = [
@@ -81,6 +83,7 @@ GRPO = {
     "zero2-grpo": dict(zero=2),
     "zero3-grpo": dict(zero=3),
     "fsdp-grpo": dict(backend="fsdp"),
+    "ddp-grpo": dict(backend="ddp"),
 }
 GRPO_ARGS = dict(
     objective="grpo", num_generations=4, micro_batch_size=4, grad_accum=2, max_new_tokens=8, max_seq_len=64, beta=0.05, num_iterations=3,
@@ -109,7 +112,11 @@ NO_PERSISTENCE = {"zero_optimization": {"stage3_param_persistence_threshold": 0}
 
 
 # --compile on 2 ranks, against fsdp-fp32-exact's eager run of the same steps.
-COMPILED = {"fsdp-fp32-compiled": dict(backend="fsdp", compile=True), "zero2-fp32-compiled": dict(zero=2, compile=True)}
+COMPILED = {
+    "fsdp-fp32-compiled": dict(backend="fsdp", compile=True),
+    "zero2-fp32-compiled": dict(zero=2, compile=True),
+    "ddp-fp32-compiled": dict(backend="ddp", compile=True),
+}
 # Two steps: the first compiles, the second trains the updated weights through the compiled layers.
 # A later step of a new width recompiles, which costs 35 s (ZeRO-2) to 80 s (FSDP2) on 2 ranks with
 # a cold Inductor cache (a fresh checkout): recompiling over many widths is tested on one device
@@ -120,6 +127,7 @@ MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2,
 TYPED = {"zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2)}
 # LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards and DeepSpeed's CPU Adam on offloaded states.
 LORAPLUS = {"fsdp-loraplus": dict(backend="fsdp"), "zero3-offload-loraplus": dict(zero=3, offload="cpu")}
+EXACT = ("fsdp", "ddp")  # backends whose 2 ranks of one micro-batch each are one process to the bit
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
 
@@ -189,11 +197,13 @@ def jobs(tiny_model, tmp_path_factory):
                 tiny_model, data, root / name, **RUN_ARGS, zero=3, precision=precision, zero_config=zero_config, optim="adamw_8bit"
             ),
         )
+    for backend in EXACT:
+        exact = {**RUN_ARGS, "grad_accum": 1, "backend": backend, "dropout": 0.0, "optim": "adamw"}
+        add(f"{backend}-fp32-exact", fast_train_args(tiny_model, data, root / f"{backend}-fp32-exact", **exact))
+    # Two micro-batches per rank: DDP all-reduces after the second alone (the first runs under no_sync).
     add(
-        "fsdp-fp32-exact",
-        fast_train_args(
-            tiny_model, data, root / "fsdp-fp32-exact", **{**RUN_ARGS, "grad_accum": 1}, backend="fsdp", dropout=0.0, optim="adamw"
-        ),
+        "ddp-fp32-accumulated",
+        fast_train_args(tiny_model, data, root / "ddp-fp32-accumulated", **RUN_ARGS, backend="ddp", dropout=0.0, optim="adamw"),
     )
     add(
         "fsdp-fp32-eager",
@@ -215,6 +225,7 @@ def jobs(tiny_model, tmp_path_factory):
         add(name, fast_train_args(tiny_model, data, root / name, **LORAPLUS_RUN, **kw, grad_accum=1, loraplus_lr_ratio=LORAPLUS_RATIO))
     add("fsdp-kill-reference", fast_train_args(tiny_model, data, root / "fsdp-kill-reference", **KILL_ARGS, backend="fsdp"))
     add("zero2-kill-reference", fast_train_args(tiny_model, data, root / "zero2-kill-reference", **KILL_ARGS, zero=2))
+    add("ddp-kill-reference", fast_train_args(tiny_model, data, root / "ddp-kill-reference", **KILL_ARGS))  # no backend named: DDP
     results = run_jobs(todo, root)
     outcome = {}
     for name, result in zip(names, results):
@@ -358,11 +369,12 @@ def test_cpu_offload_under_zero_steps_with_deepspeeds_cpu_adam(jobs):
     assert "DeepSpeed's CPU Adam (AdamW mode) steps the offloaded states on the host (adamw_8bit can't run on offloaded states)" in err
 
 
-def test_fsdp_with_several_ranks_equals_one_process_bit_for_bit(jobs, tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize("backend", EXACT)
+def test_several_ranks_equal_one_process_bit_for_bit(backend, jobs, tiny_model, tmp_path, capsys):
     """fp32, no dropout: 2 ranks with one micro-batch each are one process with 2 accumulation
     steps, to the bit, because every rank divides by the label tokens of the whole step. (With
     more micro-batches per rank the gradients are summed in another order: equal to rounding.)"""
-    out, _ = run_of(jobs, "fsdp-fp32-exact")
+    out, _ = run_of(jobs, f"{backend}-fp32-exact")
     one = tmp_path / "one"
     code, _, err = run_cli(
         fast_train_args(tiny_model, jobs["data"], one, **{**RUN_ARGS, "grad_accum": 2}, dropout=0.0, optim="adamw"), capsys
@@ -396,10 +408,31 @@ def test_loraplus_on_two_ranks_moves_b_by_ratio_times_one_process_plain_step(nam
     assert_loraplus_first_step(adapter(out), adapter(one))
 
 
+def test_ddp_accumulating_on_each_rank_is_one_process(jobs, tiny_model, tmp_path, capsys):
+    """Two micro-batches per rank, the first under DDP's no_sync: the gradients are all-reduced once
+    per step, and 2 ranks train one process's 4 accumulated micro-batches, step by step and in the
+    adapter (to fp32 summation order)."""
+    out, err = run_of(jobs, "ddp-fp32-accumulated")
+    assert "ddp: rank 1 holds the whole base" in err and "ddp backend" in err
+    one = tmp_path / "one"
+    code, _, one_err = run_cli(
+        fast_train_args(tiny_model, jobs["data"], one, **{**RUN_ARGS, "grad_accum": 4}, dropout=0.0, optim="adamw"), capsys
+    )
+    assert code == 0, one_err
+    losses = step_losses(one)
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert step_losses(out) == pytest.approx(losses, rel=1e-6)
+    got, expected = adapter(out), adapter(one)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert float((got[key] - expected[key]).norm() / expected[key].norm()) <= 1e-5, key
+
+
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_layers_under_sharding_train_the_eager_losses(name, jobs):
-    """FSDP2's hooks stay outside the compiled layers (Dynamo skips them) and ZeRO-2's parameters are
-    plain: 2 ranks compiled train what 2 ranks eager train, step by step."""
+    """FSDP2's hooks stay outside the compiled layers (Dynamo skips them), ZeRO-2's parameters are
+    plain and DDP's hooks sit on the LoRA weights' gradients: 2 ranks compiled train what 2 ranks
+    eager train, step by step."""
     out, err = run_of(jobs, name)
     eager, _ = run_of(jobs, "fsdp-fp32-eager")  # the same steps and schedule, eager
     assert "decoder layers and the loss's chunk step compiled (regional torch.compile)" in err
@@ -416,7 +449,8 @@ def test_dpo_over_packed_pairs_on_two_ranks_is_one_process_and_resumes_exactly(n
     log-probabilities; the first step's loss is ln 2), and a resume from step 2 ends bit for bit
     where the uninterrupted run ends."""
     out, err = run_of(jobs, name)
-    computed = "a forward with the adapter disabled in every step" if name.startswith("fsdp") else "reference log-probabilities of 16 + 0"
+    per_step = PREFERENCE[name]["reference"] == "per-step"
+    computed = "a forward with the adapter disabled in every step" if per_step else "reference log-probabilities of 16 + 0"
     assert computed in err
     one = tmp_path / "one"
     args = {**PREFERENCE_ARGS, "grad_accum": 2, **PREFERENCE[name]}
@@ -516,12 +550,15 @@ def test_deepspeeds_shared_memory_buffers_are_not_left_in_ram(jobs):
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
 
 
-@pytest.mark.parametrize("backend", [dict(zero=2), dict(backend="fsdp")], ids=["zero2", "fsdp"])
-def test_a_rank_killed_mid_run_ends_the_job_with_one_message_and_resume_is_exact(backend, jobs, tiny_model, tmp_path):
+KILLED = {"zero2": dict(zero=2), "fsdp": dict(backend="fsdp"), "ddp": {}}  # ddp: --nproc 2 with no backend named
+
+
+@pytest.mark.parametrize("name", list(KILLED))
+def test_a_rank_killed_mid_run_ends_the_job_with_one_message_and_resume_is_exact(name, jobs, tiny_model, tmp_path):
     """What the out-of-memory killer does: SIGKILL to one rank. The job must end soon (no rank
     left waiting in a collective), say which rank died and how to resume; the resumed run ends
     where an uninterrupted one does, bit for bit."""
-    name = "fsdp" if "backend" in backend else "zero2"
+    backend = KILLED[name]
     reference, _ = run_of(jobs, f"{name}-kill-reference")
     out = tmp_path / "killed"
     args = fast_train_args(tiny_model, jobs["data"], out, **KILL_ARGS, **backend, nproc=2)

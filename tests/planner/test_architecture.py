@@ -12,7 +12,8 @@ from lora_tune.config import TrainConfig
 from lora_tune.models.aliases import architecture
 from lora_tune.models.targets import lora_config, resolve_targets
 from lora_tune.planner.architecture import Architecture
-from lora_tune.planner.memory import Setup, lora_tensors
+from lora_tune.planner.memory import lora_tensors
+from lora_tune.planner.records import Setup
 
 from families import FAMILIES, family_configs
 from helpers import run_cli

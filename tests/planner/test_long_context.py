@@ -14,7 +14,8 @@ import pytest
 
 from lora_tune.models.tiny.model import build_tiny_llama
 from lora_tune.planner.architecture import load_architecture
-from lora_tune.planner.memory import Setup, estimate
+from lora_tune.planner.memory import estimate
+from lora_tune.planner.records import Setup
 from lora_tune.planner.search import CONTEXT_STEP, longest_context
 
 from helpers import run_cli

@@ -14,7 +14,8 @@ from lora_tune.config import TrainConfig
 from lora_tune.engines.registry import check_compatibility
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import GPUS
-from lora_tune.planner.memory import Setup, estimate
+from lora_tune.planner.memory import estimate
+from lora_tune.planner.records import Setup
 from lora_tune.planner.search import fewest_checkpointed
 from lora_tune.planner.speed import checkpointing_cost
 

@@ -7,11 +7,14 @@ files, chat template), so everything after goes through the real `AutoProcessor`
 
 Families: `paddleocr_vl` (multimodal rotary positions, a Qwen-style grid of merged patches),
 `gemma3` (a projector, token type ids, fixed image size), `llava` (a projector, repeated `<image>`),
+`qwen2_vl`, `qwen2_5_vl` (multimodal rotary positions; Qwen2.5-VL's tower attends in windows),
 `qwen3_5` (Qwen3.5: a hybrid gated-delta-net / attention decoder with interleaved multimodal rotary
-positions and `mm_token_type_ids`). Qwen3.5's processor needs torchvision (its video processor), as
-do Qwen-VL's, Gemma 4's, Mistral 3's and Llama 4's: this machine's CPU build of torch has no working
-torchvision wheel, so that family builds only where torchvision imports (its processor classes are
-looked up only when it is asked for).
+positions and `mm_token_type_ids`). The Qwen families' processors bundle a video processor that needs
+torchvision, which this machine's CPU build of torch has no working wheel for: there the processor is
+built without it (`lora_tune.models.processors.image_only`, what training does with such a base) and
+the video processor's settings are written beside the rest, so the folder holds a real checkpoint's
+processor files. (Gemma 4's, Mistral 3's and Llama 4's processors need torchvision for their images
+too: they build only where it imports; their classes are looked up only when asked for.)
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
 
+from lora_tune.models.processors import image_only
 from lora_tune.models.tiny.configs import shrink_config
 from lora_tune.models.tiny.model import train_tiny_tokenizer
 
@@ -39,6 +43,12 @@ _TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
+QWEN_VISION_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
 FAMILIES = {
     # model type: (image tokens added in the shrunk config's id order, named as the family's
     # tokenizer names them; how the template writes one image; config changes)
@@ -66,13 +76,19 @@ FAMILIES = {
         # 28-pixel images in 14-pixel patches: 4 image tokens (the CLS feature dropped).
         {"vision_config.image_size": 28},
     ),
+    # Qwen2-VL and Qwen2.5-VL (multimodal rotary positions over a Qwen-style grid of merged patches):
+    # the shrunk config's 16-wide heads split their rotary (2, 3, 3) over (time, height, width).
+    "qwen2_vl": (QWEN_VISION_TOKENS, "<|vision_start|><|image_pad|><|vision_end|>", {}),
+    "qwen2_5_vl": (
+        QWEN_VISION_TOKENS,
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        # Its tower attends in windows of `window_size` pixels (the real 112: 4 x 4 merged patches)
+        # but in some blocks over the whole image, as the real one does in 4 of 32: windows of 2 x 2
+        # merged patches (56 pixels), and the second block whole.
+        {"vision_config.window_size": 56, "vision_config.fullatt_block_indexes": [1]},
+    ),
     "qwen3_5": (
-        {
-            "image_token": "<|image_pad|>",
-            "video_token": "<|video_pad|>",
-            "vision_start_token": "<|vision_start|>",
-            "vision_end_token": "<|vision_end|>",
-        },
+        QWEN_VISION_TOKENS,
         "<|vision_start|><|image_pad|><|vision_end|>",
         {
             # The merger projects into the decoder's hidden size (the default config's 3584 is not the
@@ -89,6 +105,31 @@ FAMILIES = {
             },
         },
     ),
+}
+
+
+# The Qwen families' processors: (processor class, video processor class, image and video sizes).
+# Qwen2-VL, Qwen2.5-VL: 14-pixel patches merged 2 x 2, two frames a temporal patch, as the real
+# processor's: a 56 x 56 image is 4 tokens; bounded to 8 x 8 patches (16 tokens). Qwen3.5: 16-pixel
+# patches: a 64 x 64 image is 4 tokens; bounded to 4 x 4 merged patches (16 tokens).
+QWEN2_VL_SIZES = {
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "size": {"shortest_edge": 28 * 28, "longest_edge": 112 * 112},
+}
+QWEN3_5_SIZES = {
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5] * 3,
+    "image_std": [0.5] * 3,
+    "size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128},
+}
+QWEN = {
+    "qwen2_vl": ("Qwen2VLProcessor", "Qwen2VLVideoProcessor", QWEN2_VL_SIZES),
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", "Qwen2VLVideoProcessor", QWEN2_VL_SIZES),
+    "qwen3_5": ("Qwen3VLProcessor", "Qwen3VLVideoProcessor", QWEN3_5_SIZES),
 }
 
 
@@ -109,17 +150,28 @@ def _processor(model_type: str, tokenizer, template: str):
             vision_feature_select_strategy="default",
             num_additional_image_tokens=1,
         )
-    if model_type == "qwen3_5":
-        # 16-pixel patches merged 2 x 2, two frames a temporal patch, as the real processor's: a
-        # 64 x 64 image is 4 tokens; bounded to 4 x 4 merged patches (16 tokens).
-        sizes = {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
-        bounds = {"size": {"shortest_edge": 32 * 32, "longest_edge": 128 * 128}}
-        images = transformers.Qwen2VLImageProcessorPil(**sizes, **bounds)
-        videos = transformers.Qwen3VLVideoProcessor(**sizes, **bounds)  # needs torchvision
-        return transformers.Qwen3VLProcessor(image_processor=images, tokenizer=tokenizer, video_processor=videos, chat_template=template)
+    if model_type in QWEN:
+        family, videos, sizes = QWEN[model_type]
+        family, images = getattr(transformers, family), transformers.Qwen2VLImageProcessorPil(**sizes)
+        try:
+            videos = getattr(transformers, videos)(**sizes)  # needs torchvision
+        except ImportError:  # its settings are written as it would write them (write_video_processor)
+            return image_only(family)(image_processor=images, tokenizer=tokenizer, chat_template=template)
+        return family(image_processor=images, tokenizer=tokenizer, video_processor=videos, chat_template=template)
     # 14-pixel patches merged 2 x 2: a 56 x 56 image is 4 tokens; bounded to 8 x 8 patches.
     images = transformers.PaddleOCRVLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112)
     return transformers.PaddleOCRVLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+
+
+def write_video_processor(model_type: str, out: Path) -> None:
+    """A processor built without its video processor (no torchvision here) saved the rest; the video
+    processor's settings go where the family's processor keeps them (processor_config.json's
+    `video_processor`), so the folder holds the processor files a real checkpoint does."""
+    _, videos, sizes = QWEN[model_type]
+    file = out / "processor_config.json"
+    saved = json.loads(file.read_text())
+    saved["video_processor"] = {"video_processor_type": videos, **sizes}
+    file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
 def build_tiny_image_text_model(model_type: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -129,7 +181,7 @@ def build_tiny_image_text_model(model_type: str, out_dir: str | Path, seed: int 
     tokenizer = train_tiny_tokenizer(extra_special_tokens=added)
     template = _TEMPLATE.replace("IMAGE", image_text)
     tokenizer.chat_template = template
-    processor = _processor(model_type, tokenizer, template)  # first: a missing torchvision writes nothing
+    processor = _processor(model_type, tokenizer, template)  # first: a processor that can't be built writes nothing
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -140,5 +192,7 @@ def build_tiny_image_text_model(model_type: str, out_dir: str | Path, seed: int 
                 p.normal_(0.0, 0.02)
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    if getattr(processor, "video_processor", False) is None:  # built without it (models.processors.image_only)
+        write_video_processor(model_type, out)
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
     return out
