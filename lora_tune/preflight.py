@@ -250,7 +250,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         steps = total_steps(cfg, len(batches))
     if resume_from:
         check_steps_left(cfg, saved_state, steps, resume_from, output_dir)
-    plan = memory_plan(cfg, device, levers.pass_tokens, levers.attention)
+    plan = memory_plan(cfg, device, levers.pass_tokens, levers.attention, targets)
     reference = reference_plan(cfg, objective, data, [base_id, fingerprint], steps * cfg.grad_accum * dist.world_size(), len(batches))
     return RunInputs(
         cfg=cfg,

@@ -77,11 +77,13 @@ class DDPEngine:
         cfg = self.cfg
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # The frozen base (and every buffer) is each rank's own copy, loaded alike: DDP leaves it out.
-        frozen = [n for n, p in model.named_parameters() if not p.requires_grad] + [n for n, _ in model.named_buffers()]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
+        # The frozen base and every buffer are each rank's own copy, loaded alike, and the LoRA weights
+        # start alike (seeded by name): nothing is broadcast at start (init_sync) or before each
+        # forward (broadcast_buffers), and only the weights that train have gradients to reduce.
         self.ddp = DistributedDataParallel(
             model,
+            init_sync=False,
+            broadcast_buffers=False,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
             # LoRA weights a micro-batch may not reach: the vision tower's (--train-vision on data
             # without images), those of separate expert modules (no token routed to one). DDP must

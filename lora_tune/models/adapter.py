@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from lora_tune.models import inits
 from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.adapter_types.registry import is_lora
 from lora_tune.models.loading import checkpointing_on
+from lora_tune.models.structure import meta_model
 from lora_tune.models.targets import Targets, check_adapted, check_tuned, lora_config, lora_layers, resolve_targets
 
 if TYPE_CHECKING:
@@ -78,6 +79,36 @@ def enable_checkpointing(model, checkpointing: Checkpointing, offload: bool) -> 
             layer.gradient_checkpointing = False
 
 
+def peft_config(cfg, targets: Targets, model_type: str):
+    """peft's config of the run's adapter: LoRA's, or another --peft-type's (lora_tune.models.adapter_types)."""
+    if is_lora(cfg):
+        return lora_config(cfg, targets)
+    return adapter_types.peft_config(cfg, targets.peft_target_modules(), model_type)
+
+
+def uniform_lora(cfg) -> bool:
+    """A LoRA of --rank on every target, nothing else trained: what the planner counts from the shapes
+    alone; any other adapter is counted by peft itself (`trained_sizes`)."""
+    extras = ("rank_pattern", "layers_to_transform", "modules_to_save", "trainable_tokens")
+    return is_lora(cfg) and not any(getattr(cfg, name, None) for name in extras)
+
+
+def trained_sizes(config, cfg, targets: Targets) -> tuple[int, ...] | None:
+    """Element counts of every tensor the adapter trains, as peft builds it on a meta skeleton of
+    `config` (no memory): exact for every --peft-type, pattern, layer list, trainable token and module
+    kept in full. Token ids stand in for --trainable-tokens (how many, not which, sizes them). None
+    when peft can't build the type without real values (BOFT computes its permutations on them)."""
+    if getattr(cfg, "trainable_tokens", None) and not targets.tokens:
+        targets = replace(targets, tokens=tuple(range(len(cfg.trainable_tokens))))
+    try:
+        with torch.device("meta"):
+            model = get_peft_model(meta_model(config), peft_config(cfg, targets, config.model_type))
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("plan: peft can't size a --peft-type %s adapter on a meta skeleton (%s); planned as a LoRA of --rank", cfg.peft_type, e)
+        return None
+    return tuple(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpointing: Checkpointing | None = None):
     """Wrap the base with trainable LoRA layers (fp32), checkpointing set up for peft.
 
@@ -90,12 +121,12 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     checkpointing = checkpointing or Checkpointing.of(cfg)
     if checkpointing.enabled:
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
-    if is_lora(cfg):
-        peft_model = get_peft_model(model, lora_config(cfg, targets))
-        check_adapted(wanted, peft_model, cfg)
-    else:  # another type (lora_tune.models.adapter_types): peft initialises it from the run's seed, the same on every rank
+    if not is_lora(cfg):  # another type (lora_tune.models.adapter_types): peft initialises it from the run's seed, alike on every rank
         torch.manual_seed(cfg.seed)
-        peft_model = get_peft_model(model, adapter_types.peft_config(cfg, targets.peft_target_modules(), model.config.model_type))
+    peft_model = get_peft_model(model, peft_config(cfg, targets, model.config.model_type))
+    if is_lora(cfg):
+        check_adapted(wanted, peft_model, cfg)
+    else:
         check_tuned(wanted, peft_model)
     if checkpointing.enabled:
         require_grads_from_text_embeddings(model)

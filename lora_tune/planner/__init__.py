@@ -16,7 +16,7 @@ from lora_tune.engines import registry as engines
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.hardware import cpu_memory_bytes, gpu_memory_bytes
-from lora_tune.planner.memory import Estimate, estimate, setup_from
+from lora_tune.planner.memory import Estimate, estimate, setup_from, with_adapter
 from lora_tune.planner.records import Setup
 from lora_tune.planner.search import (
     CONTEXT_STEP,
@@ -65,7 +65,7 @@ def compute(cfg) -> Plan:
     engines.check_compatibility(cfg, paths=False)
     compilation.check_cell(cfg, engines.spec_of(cfg))
     arch = load_architecture(cfg.base)
-    setup = setup_from(cfg)
+    setup = with_adapter(cfg, arch, setup_from(cfg))
     if not cfg.auto:  # --auto searches the cells and degrees train accepts (search.py)
         engines.check_layer_by_layer(cfg, arch.quantized)
         engines.check_sequence_parallel(cfg, arch.config, setup.world)

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lora_tune.engines import registry as engines
 from lora_tune.engines.spec import ModelStates
+from lora_tune.models.adapter import trained_sizes, uniform_lora
 from lora_tune.models.head import auto_chunk_size
-from lora_tune.models.targets import resolve_targets
+from lora_tune.models.targets import lora_targets, resolve_targets
 from lora_tune.planner import vision
 from lora_tune.planner.architecture import Architecture
 from lora_tune.planner.records import Setup
@@ -143,6 +144,8 @@ def vision_weight_bytes(arch: Architecture, precision: str) -> int:
 def lora_tensors(arch: Architecture, setup: Setup) -> list[int]:
     """Element counts of every LoRA tensor: A (r x in) and B (out x r) per targeted linear; for a
     fused expert tensor (E, out, in) peft's ParamWrapper stacks one rank-r pair per expert."""
+    if setup.adapter_sizes is not None:
+        return list(setup.adapter_sizes)
     targets = resolve_targets(arch.inventory, setup)
     r = setup.rank
     sizes = []
@@ -163,6 +166,16 @@ def optimizer_bytes(tensors: list[int], optim: str) -> int:
     for n in tensors:  # bitsandbytes 8-bit AdamW (paged: same bytes, may spill to host)
         total += 8 * n if n < 4096 else 2 * n + 2 * 4 * math.ceil(n / 256) + 2 * 256 * 4
     return total
+
+
+def with_adapter(cfg, arch: Architecture, setup: Setup, targets=None) -> Setup:
+    """The setup with its adapter's tensors counted by peft itself, when it is not a uniform LoRA
+    (`targets`: the run's, resolved before loading; else resolved here on the meta skeleton)."""
+    if uniform_lora(cfg) or arch.config is None:
+        return setup
+    targets = targets or lora_targets(cfg, arch.config)
+    sizes = trained_sizes(arch.config, cfg, targets) if targets is not None else None
+    return replace(setup, adapter_sizes=sizes) if sizes is not None else setup
 
 
 def model_states(arch: Architecture, setup: Setup) -> ModelStates:

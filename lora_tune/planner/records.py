@@ -41,6 +41,10 @@ class Setup:
     attention: str = "flash_attention_2"
     max_pixels: int = 1024 * 1024  # --max-pixels: image-text models' largest image (lora_tune.planner.vision)
     train_vision: bool = False  # --train-vision: LoRA on the vision tower, its activations kept for backward
+    # Element counts of the tensors an adapter that is not a uniform LoRA trains (another --peft-type,
+    # rank patterns, layer lists, trainable tokens, modules kept in full), counted by peft on a meta
+    # skeleton (lora_tune.models.adapter.trained_sizes); None: a LoRA of --rank, counted from the shapes.
+    adapter_sizes: tuple[int, ...] | None = None
 
     @property
     def world(self) -> int:

@@ -16,7 +16,7 @@ from lora_tune.models.adapter import Checkpointing
 from lora_tune.models.tiled_mlp import tile_count
 from lora_tune.planner import render
 from lora_tune.planner.architecture import load_architecture
-from lora_tune.planner.memory import GIB, estimate, recomputed_layers, setup_from
+from lora_tune.planner.memory import GIB, estimate, recomputed_layers, setup_from, with_adapter
 from lora_tune.planner.records import Setup
 from lora_tune.planner.search import fewest_checkpointed, memory_budget
 from lora_tune.planner.speed import checkpointing_cost
@@ -103,17 +103,21 @@ def auto_checkpointing(cfg: TrainConfig, arch, setup: Setup, device: torch.devic
     return chosen
 
 
-def memory_plan(cfg: TrainConfig, device: torch.device, pass_tokens: int | None = None, attention: str | None = None) -> MemoryPlan | None:
+def memory_plan(
+    cfg: TrainConfig, device: torch.device, pass_tokens: int | None = None, attention: str | None = None, targets=None
+) -> MemoryPlan | None:
     """The memory plan for this run, before loading: a warning (or with --strict-memory an error)
     when it will not fit. None when the architecture can't be read offline. `pass_tokens` and
     `attention`: a CPU's passes per micro-batch and the attention implementation
-    (lora_tune.training.inputs.SpeedLevers)."""
+    (lora_tune.training.inputs.SpeedLevers); `targets`: the run's LoRA targets (an adapter that is
+    not a uniform LoRA is counted by peft on them)."""
     try:
         arch = load_architecture(cfg.base)
     except UserError as e:
         log.info("memory plan skipped: %s", e)
         return None
-    setup = auto_tiling(cfg, arch, replace(setup_from(cfg, attention), pass_tokens=pass_tokens), device)
+    setup = with_adapter(cfg, arch, replace(setup_from(cfg, attention), pass_tokens=pass_tokens), targets)
+    setup = auto_tiling(cfg, arch, setup, device)
     if cfg.gradient_checkpointing == "auto":
         setup = auto_checkpointing(cfg, arch, setup, device)
     planned = estimate(arch, setup)

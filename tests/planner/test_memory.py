@@ -9,12 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+import lora_tune
 from lora_tune.config import TrainConfig
 from lora_tune.data.batching import collate
 from lora_tune.data.prepare import Sample
 from lora_tune.engines.single import SingleDeviceEngine
 from lora_tune.models.adapter import Checkpointing, add_lora
-from lora_tune.models.loading import compute_dtype, load_base_model
+from lora_tune.models.loading import compute_dtype, load_base_model, load_config, load_tokenizer
+from lora_tune.models.targets import lora_targets, token_ids
 from lora_tune.models.tiny.model import build_tiny_llama
 from lora_tune.planner import memory as plan
 from lora_tune.planner.architecture import load_architecture
@@ -143,6 +145,33 @@ def test_model_states_are_exact(precision, optim, tiny_model):
     estimate = plan.estimate(load_architecture(str(tiny_model)), plan.setup_from(cfg))
     for key, value in measured.items():
         assert estimate.per_device[key] == value, key
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    [
+        {"peft_type": "oft"},
+        {"peft_type": "loha"},
+        {"peft_type": "vera"},
+        {"peft_type": "ia3"},
+        {"rank_pattern": [r".*\.q_proj=16"]},
+        {"layers_to_transform": [1]},
+        {"modules_to_save": ["lm_head"]},
+        {"trainable_tokens": ["What", "even"]},
+    ],
+    ids=lambda a: "-".join(map(str, a.items())),
+)
+def test_an_adapter_that_is_not_a_uniform_lora_is_planned_as_peft_builds_it(adapter, tiny_model):
+    """Another --peft-type, a rank pattern, a layer list, modules kept in full, trainable tokens: the plan
+    counts what peft trains (plan and train agree), not a LoRA of --rank on every target."""
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4, **adapter)
+    config = load_config(str(tiny_model), False)
+    tokens = token_ids(cfg, load_tokenizer(str(tiny_model), False))
+    model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, "b", lora_targets(cfg, config, tokens))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    plain = plan.estimate(load_architecture(str(tiny_model)), plan.setup_from(cfg)).trainable_parameters
+    planned = lora_tune.plan(base=str(tiny_model), precision="fp32", rank=4, **adapter).estimate.trainable_parameters
+    assert planned == trained and trained != plain  # the shapes alone would have counted a uniform LoRA of rank 4
 
 
 def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int, chunk: int, kept: int = 0) -> int:
