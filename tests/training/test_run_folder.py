@@ -334,7 +334,7 @@ def test_resume_from_a_chosen_checkpoint_continues_it_in_a_new_folder(constant_r
     assert code == 2 and "already holds a run; continue that one with --resume alone" in single_error_line(err)
 
 
-def test_the_readme_lists_what_may_change_on_resume_from_the_options_own_tags():
+def test_the_docs_list_what_may_change_on_resume_from_the_options_own_tags():
     table = run_folder.resume_table(TrainConfig)
-    assert table in (ROOT / "README.md").read_text()
+    assert table in (ROOT / "docs" / "reference" / "resume.md").read_text()
     assert "`lr`" in table.split("allow-config-change")[1].splitlines()[0] and "`rank` |" not in table.split("refused")[0]
