@@ -142,7 +142,11 @@ def without_video(base_path: str, config, trust_remote_code: bool):
     processor, so the image processor (the PIL/numpy one when torchvision is missing) and the
     tokenizer make it whole. Its chat template is the processor's own (chat_template.jinja/json)."""
     cls = PROCESSOR_MAPPING.get(type(config), None)
-    if cls is None or sorted(cls.get_attributes()) != ["image_processor", "tokenizer", "video_processor"]:
+    try:
+        parts = sorted(cls.get_attributes()) if cls is not None else []
+    except ImportError:  # the class itself needs the missing package (transformers' placeholder: Pixtral's)
+        return None
+    if parts != ["image_processor", "tokenizer", "video_processor"]:
         return None
     try:
         images = AutoImageProcessor.from_pretrained(base_path, trust_remote_code=trust_remote_code)

@@ -247,6 +247,20 @@ def lock_holder(output_dir: Path) -> str | None:
     return None
 
 
+def left_by_a_stopped_run(output_dir: Path) -> bool:
+    """Whether the last run in OUTPUT_DIR ended without reaching its clean end (killed, or the
+    machine lost): its lock note is still there and nobody holds the lock. In the ranks of a job
+    whose launcher holds the lock, the launcher already asked before starting them: True."""
+    path = output_dir / LOCK_NAME
+    if os.environ.get(LOCK_ENV) == str(path.resolve()):
+        return True
+    fd = open_lock_file(path, create=False)
+    if fd is None:
+        return False
+    with os.fdopen(fd, "rb") as f:
+        return bool(f.read(200).strip()) and lock_holder(output_dir) is None
+
+
 class OutputLock:
     """An exclusive flock on OUTPUT_DIR/.lora-tune.lock for as long as the run writes there.
 

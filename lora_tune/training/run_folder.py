@@ -248,13 +248,17 @@ def check_resume_data(cfg: TrainConfig, state: dict, data: PreparedData, checkpo
 
 def check_steps_left(cfg: TrainConfig, state: dict, total_steps: int, checkpoint_dir: Path, out: Path) -> None:
     """A resume that would train no step: refused, the run left as it is (its config not rewritten).
-    A finished run whose final adapter is missing (killed while writing it) still resumes, to write it."""
+    Except a run stopped while finishing (its final checkpoint written, then killed before its clean
+    end, the adapter or tokenizer maybe half written): it resumes to finish, writing the same adapter."""
     done = state["step"]
-    if done < total_steps or (done == total_steps and not all((out / f).is_file() for f in ADAPTER_FILES)):
+    if done < total_steps:
         return
     length = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs:g} ({total_steps} steps)"
     where = f"{checkpoint_dir} is at step {done}"
     if done == total_steps:
+        if not all((out / f).is_file() for f in ADAPTER_FILES) or ckpt.left_by_a_stopped_run(out):
+            log.info("%s, the end of the run: nothing to train; finishing the run, stopped before its end, from it", where)
+            return
         raise UserError(
             f"--resume: {where}, the end of the run ({length}), and its adapter is written; to train further, raise {length.split()[0]}"
         )

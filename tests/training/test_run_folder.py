@@ -310,6 +310,25 @@ def test_a_resume_with_no_step_left_is_refused_and_the_run_unchanged(length, con
     assert tree_digest(constant_run) == before
 
 
+def test_a_run_killed_while_finishing_resumes_to_finish_it(constant_run, tiny_model, data_files, capsys):
+    # Killed after its final checkpoint, while writing the tokenizer: the lock keeps the killed
+    # process's note, and the tokenizer is half there. The resume trains nothing and finishes.
+    adapter = adapter_tensors(constant_run)
+    metrics = read_metrics(constant_run)
+    (constant_run / ".lora-tune.lock").write_text("pid 123 on host since 2026-12-07 10:00:00\n")
+    (constant_run / "tokenizer.json").unlink()
+    args = fast_train_args(tiny_model, data_files["text"], constant_run, lr_scheduler="constant", save_steps=1, resume=True)
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "the end of the run: nothing to train; finishing the run" in err
+    assert (constant_run / "tokenizer.json").is_file()
+    assert_bit_identical(adapter_tensors(constant_run), adapter)
+    assert read_metrics(constant_run) == metrics  # no step trained, none logged twice
+    # Finished cleanly this time: a further resume with no step left is refused again.
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "the end of the run (--max-steps 4)" in single_error_line(err)
+
+
 def test_resume_from_a_chosen_checkpoint_continues_it_in_a_new_folder(constant_run, tiny_model, data_files, tmp_path, capsys):
     before = tree_digest(constant_run)
     args = {"save_steps": 1, "lr_scheduler": "constant"}
