@@ -158,20 +158,22 @@ def unscorable(rewards_per_func: torch.Tensor) -> torch.Tensor:
 
 
 # --- loading --------------------------------------------------------------------------------------------
-def load_rewards(specs: Sequence[str | Callable], weights: Sequence[float] | None = None) -> Rewards:
+def load_rewards(specs: Sequence[str | Callable], weights: Sequence[float] | None = None, extra: Sequence = ()) -> Rewards:
     """`--reward` specs (`path/to/file.py:func`, `package.module:func`) or the API's callables,
-    loaded and checked; every problem is a one-line UserError naming the spec."""
+    loaded and checked; every problem is a one-line UserError naming the spec. `extra`: (function,
+    identity) of rewards that come with the run's environments (their get_reward), weight 1 each,
+    after the others (TRL's order)."""
     modules: dict = {}  # a file named by several specs is run once
     try:
-        return build(specs, weights, modules)
+        return build(specs or [], weights, modules, extra)
     except UserError:
         for module in modules.values():  # nothing of a refused --reward stays behind
             sys.modules.pop(module.__name__, None)
         raise
 
 
-def build(specs, weights, modules: dict) -> Rewards:
-    if not specs:
+def build(specs, weights, modules: dict, extra: Sequence = ()) -> Rewards:
+    if not specs and not extra:
         raise UserError("--objective grpo needs at least one --reward: a function f(prompts, completions, **kwargs) as file.py:func")
     loaded = [load_one(spec, i, modules) for i, spec in enumerate(specs)]
     if weights is not None and len(weights) != len(loaded):
@@ -185,11 +187,13 @@ def build(specs, weights, modules: dict) -> Rewards:
             finite = False
         if not finite:
             raise UserError(f"--reward-weights: weight {i + 1} is {w!r}, not a finite number; give one finite number per function")
+    loaded += [(func, f"the environment {callable_name(func)}'s get_reward", identity) for func, identity in extra]
     functions = []
-    for spec, (func, culprit, identity), name in zip(specs, loaded, unique_names([callable_name(f) for f, _, _ in loaded])):
+    for spec, (func, culprit, identity), name in zip([*specs, *extra], loaded, unique_names([callable_name(f) for f, _, _ in loaded])):
         by_keyword, columns = call_style(func, culprit if isinstance(spec, str) else f"reward function {name}")
         functions.append(RewardFunction(func, name, identity, by_keyword, columns))
-    w = torch.tensor([float(x) for x in weights] if weights is not None else [1.0] * len(functions), dtype=torch.float32)
+    given = [float(x) for x in weights] if weights is not None else [1.0] * len(specs)
+    w = torch.tensor(given + [1.0] * len(extra), dtype=torch.float32)
     return Rewards(tuple(functions), w)
 
 

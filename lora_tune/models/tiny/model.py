@@ -53,6 +53,18 @@ _CORPUS = [
 ]
 
 
+_TOOL_CORPUS = [
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "# Tools\n\nYou may call one or more functions to assist with the user query.",
+    "You are provided with function signatures within <tools></tools> XML tags:",
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:",
+    '{"name": <function-name>, "arguments": <args-json-object>}',
+    '{"type": "function", "function": {"name": "calculator", "description": "", "parameters": {"type": "object", "properties": '
+    '{"expression": {"type": "string", "description": ""}}, "required": ["expression"]}, "return": {"type": "string"}}}',
+    "<tool_response>\n</tool_response> What is the answer? Use the calculator for arithmetic, then answer with the number.",
+]
+
+
 def train_tiny_tokenizer(vocab_size: int = 512, extra_special_tokens: dict[str, str] | None = None, tools: bool = False):
     """A byte-level BPE tokenizer with <s>, </s>, <pad>, trained on a fixed corpus (deterministic).
     `extra_special_tokens` (name -> token, e.g. image_token): added after the vocabulary, in order,
@@ -67,7 +79,10 @@ def train_tiny_tokenizer(vocab_size: int = 512, extra_special_tokens: dict[str, 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    # With tools, the template's own boilerplate is in the corpus too, so that a prompt with tools stays
+    # a few hundred tokens rather than a thousand.
+    corpus = _CORPUS + (_TOOL_CORPUS if tools else [])
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
     bos = tok.token_to_id("<s>")
     # Like Llama, BOS is prepended by the tokenizer itself; EOS is appended by the data stage.
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])

@@ -98,7 +98,8 @@ class ColocatedGenerator:
         from vllm.lora.request import LoRARequest  # noqa: PLC0415 - optional: vLLM's environment only
 
         cfg, llm = self.cfg, self.vllm.llm
-        folder = self.handover.publish(index)  # collective: every rank gathers and writes its copy
+        later_turn = self.loaded == index + 1  # a batch's later turns (tools) use the adapter already loaded
+        folder = self.handover.current if later_turn else self.handover.publish(index)  # collective: every rank writes its copy
         error, sampled = None, None
         try:
             if self.vllm.sleeps:
@@ -113,7 +114,7 @@ class ColocatedGenerator:
                 ids = list(done.token_ids)
                 logps = [step[token].logprob for step, token in zip(done.logprobs, ids)]
                 sampled.append(cut_at_eos(ids, self.eos_ids, logps))
-            if self.loaded is not None:
+            if self.loaded is not None and not later_turn:
                 llm.llm_engine.remove_lora(self.loaded)
             self.loaded = request.lora_int_id
             if self.vllm.sleeps:

@@ -186,11 +186,24 @@ class ServerGenerator:
         self.handover = handover.Handover(server.adapters, model.peft_model, engine)
         self.pad_id, self.eos_ids = special_ids(inputs.tokenizer, model)
         self.loaded: str | None = None  # the adapter the server holds for this run
+        self.serving: int | None = None  # the generation batch it was handed over for
         # A name no earlier run left on the server, rank 0's on every rank (they ask for the same adapter).
         self.tag = dist.first_message(f"lora-tune-{os.getpid()}-{int(time.time())}" if dist.is_main() else None)
 
     def generate(self, index: int, prompts: list[list[int]], seeds: list[int]) -> list[Sampled]:
         name = f"{self.tag}-gen{index}"
+        if index != self.serving:  # a batch's later turns (tools) are requests to the adapter already loaded
+            self._hand_over(index, name)
+        sampled, error = None, None
+        try:
+            sampled = self._complete(name, prompts, seeds)
+        except GenerationError as e:
+            error = str(e)
+        self._agree(error, index)
+        return sampled
+
+    def _hand_over(self, index: int, name: str) -> None:
+        """The adapter as it is now, loaded on the server under a new name; the batch before's unloaded."""
         folder = self.handover.publish(index)  # collective: every rank gathers, rank 0 writes
         error = None
         if dist.is_main():
@@ -199,15 +212,9 @@ class ServerGenerator:
             except GenerationError as e:
                 error = str(e)
         self._agree(error, index)
-        sampled, error = None, None
-        try:
-            sampled = self._complete(name, prompts, seeds)
-        except GenerationError as e:
-            error = str(e)
-        self._agree(error, index)
         if dist.is_main():
             self._retire(name)
-        return sampled
+        self.serving = index
 
     def _agree(self, error: str | None, index: int) -> None:
         """A failure on any rank stops every rank with the same line."""
