@@ -182,6 +182,8 @@ def load_toolbox(tools: Sequence | None, environments) -> Toolbox | None:
         func, culprit, identity = load_tool(spec, modules)
         loaded.append(Tool(callable_name(func), tool_schema(func, culprit), func))
         identities.append(identity)
+    if environments is not None and not isinstance(environments, (dict, list, tuple)):
+        environments = [environments]  # one class (the API's)
     named = environments.items() if isinstance(environments, dict) else [(None, e) for e in environments or ()]
     envs = {}
     for name, spec in named:
