@@ -260,13 +260,8 @@ def call_style(func, culprit: str) -> tuple[bool, tuple[str, ...]]:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names_them = "prompts" in sig.parameters or "completions" in sig.parameters
     by_keyword = names_them or (len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params))
-    skip = {
-        "prompts",
-        "completions",
-        "completion_ids",
-        "trainer_state",
-        "environments",
-    }  # environments: with --environment, as TRL | ({p.name for p in positional[:2]} if not by_keyword else set())
+    passed = {"prompts", "completions", "completion_ids", "trainer_state", "environments"}  # environments: with --environment, as TRL
+    skip = passed | ({p.name for p in positional[:2]} if not by_keyword else set())
     columns = tuple(
         p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip
     )
