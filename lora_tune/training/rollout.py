@@ -159,13 +159,13 @@ class Rollout:
         message = dist.first_message(None if error is None else str(error))  # every rank stops, none waits
         if message is not None:
             raise error or RewardError(message)
-        # The whole batch's rewards, lengths (the model's own tokens), clipping and tool calls, failed
-        # and cut, on every rank: [completions, functions + 5].
+        # The whole batch's rewards, lengths (the model's own tokens), clipping, and (tools) the calls,
+        # failed and cut, and every token after the prompt, on every rank: [completions, functions + 6].
         counts = [list(c.episode.counts.values()) if c.episode else [0, 0, 0] for c in completions]  # calls, failures, truncated
-        facts = [[sum(c.generated), c.clipped, *n] for c, n in zip(completions, counts)]
-        local = torch.cat([per_func, torch.tensor(facts, dtype=torch.float32).reshape(-1, 5)], dim=1)
+        facts = [[sum(c.generated), c.clipped, *n, len(c.ids)] for c, n in zip(completions, counts)]
+        local = torch.cat([per_func, torch.tensor(facts, dtype=torch.float32).reshape(-1, 6)], dim=1)
         gathered = dist.all_gather_rows(local)
-        gathered, calls = gathered[:, :-3], gathered[:, -3:].sum(0)
+        gathered, tools = gathered[:, :-4], gathered[:, -4:].sum(0)
         self._check_scored(gathered[:, :-2], index)  # the same on every rank: all stop, or none
         adv, total, stats = advantages(gathered[:, :-2], self.rewards.weights, cfg.num_generations, cfg.scale_rewards, self.rewards.names)
         # Groups with no signal (rewards that tie) train nothing: their advantage is 0 exactly, where
@@ -180,7 +180,7 @@ class Rollout:
             "completions/min_length": lengths.min(),
             "completions/max_length": lengths.max(),
             "completions/clipped_ratio": clipped.mean(),
-            **(self._tool_metrics(calls, len(gathered)) if self.agent else {}),
+            **(self._tool_metrics(tools, lengths.sum(), len(gathered)) if self.agent else {}),
         }.items():
             self.model.note(name, torch.as_tensor(value, dtype=torch.float32).reshape(1))
         self.samples = [
@@ -190,14 +190,17 @@ class Rollout:
         return self._micro_batches(completions, adv)
 
     @staticmethod
-    def _tool_metrics(calls: torch.Tensor, completions: int) -> dict:
-        """TRL's tools/* metrics over the whole generation batch: calls per completion, the share of
-        calls that failed (raised, timed out, unknown tool), and of results cut to --max-tool-result-tokens."""
-        made, failed, cut = calls.tolist()
+    def _tool_metrics(tools: torch.Tensor, generated: torch.Tensor, completions: int) -> dict:
+        """TRL's tools/* metrics over the whole generation batch (calls per completion, the share of
+        calls that failed: raised, timed out, unknown tool), and lora-tune's: the share of results cut
+        to --max-tool-result-tokens, and of the completions' tokens that tools and the template wrote
+        (masked out of the loss)."""
+        made, failed, cut, total = tools.tolist()
         return {
             "tools/call_frequency": made / completions,
             "tools/failure_frequency": failed / made if made else 0.0,
             "tools/truncated_frequency": cut / made if made else 0.0,
+            "tools/masked_token_share": 1.0 - float(generated) / total if total else 0.0,
         }
 
     def _check_scored(self, per_func: torch.Tensor, index: int) -> None:
