@@ -6,7 +6,8 @@ Model: the tiny Llama with Qwen2.5's tool template, every weight fine-tuned on 6
 the calculator (lora_tune.models.tiny.agent: a model that has seen the call format, what agentic RL
 starts from), built once before the timers. Prompts: examples/data/arithmetic.jsonl (32 questions
 with their answer). Tool: examples/tools.py:calculator. Rewards: examples/rewards.py's `correct`
-(the last number is the answer) and `grounded` (the answer repeats the tool's result). LoRA r16 /
+(the last number is the answer), `grounded` (the answer repeats the tool's result) and `tool_ok` (a
+call was made and none failed: the dense signal a tiny model learns from in 30 steps). LoRA r16 /
 alpha 32 / dropout 0 on every linear layer; G = 4 completions per prompt of up to 96 tokens in all
 (tool results included: TRL's max_completion_length, lora-tune's --max-new-tokens), temperature
 0.7, at most 2 tool calls; a step trains 2 prompts x 4 completions (batch 4, accumulation 2); loss
@@ -45,10 +46,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 cfg = json.loads(sys.argv[3])
 sys.path.insert(0, cfg["examples"])
-from rewards import correct, grounded
+from rewards import correct, grounded, tool_ok
 from tools import calculator
 rows = [json.loads(line) for line in open(sys.argv[2])]
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
+tok.padding_side = "left"
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 masked = []
 
@@ -67,7 +69,7 @@ args = GRPOConfig(output_dir=sys.argv[4], per_device_train_batch_size=cfg["micro
                   max_tool_calling_iterations=cfg["max_tool_calls"], seed=cfg["seed"], disable_tqdm=True,
                   use_cpu=not torch.cuda.is_available(), bf16=False, beta=0.0, loss_type="dapo", use_vllm=False)
 peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-trainer = Measured(model=model, reward_funcs=[correct, grounded], args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+trainer = Measured(model=model, reward_funcs=[correct, grounded, tool_ok], args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
                    peft_config=peft, tools=[calculator])
 trainer.train()
 logs = [h for h in trainer.state.log_history if "reward" in h]
@@ -84,7 +86,7 @@ import lora_tune
 cfg = json.loads(sys.argv[3])
 examples = cfg["examples"]
 result = lora_tune.train(base=sys.argv[1], data=sys.argv[2], output_dir=sys.argv[4], objective="grpo",
-                         reward=[f"{examples}/rewards.py:correct", f"{examples}/rewards.py:grounded"],
+                         reward=[f"{examples}/rewards.py:{name}" for name in ("correct", "grounded", "tool_ok")],
                          tools=f"{examples}/tools.py:calculator",
                          num_generations=cfg["num_generations"], max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
                          max_tool_calls=cfg["max_tool_calls"], micro_batch_size=cfg["micro_batch_size"], grad_accum=cfg["grad_accum"],
@@ -142,7 +144,7 @@ def main() -> None:
     print(
         f"tiny tool-calling Llama (Qwen2.5 template, primed {prime} steps), fp32, LoRA r16 all-linear, {steps} steps of 2 prompts x "
         f"{cfg['num_generations']} completions of up to {cfg['max_new_tokens']} tokens, <= {cfg['max_tool_calls']} calculator calls; "
-        "rewards: correct + grounded"
+        "rewards: correct + grounded + tool_ok"
     )
     print(
         f"| route | wall s | s / step | peak RSS MiB | mean reward, first {window} steps | last {window} steps | "

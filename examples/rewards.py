@@ -40,3 +40,13 @@ def grounded(prompts, completions, **kwargs):
         results = [t["content"] for t in turns if isinstance(turns, list) and t["role"] == "tool"]
         scores.append(1.0 if results and results[-1] in _text(turns) else 0.0)
     return scores
+
+
+def tool_ok(prompts, completions, **kwargs):
+    """Agentic runs (--tools): 1 when the completion called a tool and every call returned a result
+    (no error), else 0: a dense signal for well-formed calls."""
+    scores = []
+    for turns in completions:
+        results = [t["content"] for t in turns if isinstance(turns, list) and t["role"] == "tool"]
+        scores.append(1.0 if results and not any(r.startswith("{'error'") for r in results) else 0.0)
+    return scores
