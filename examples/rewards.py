@@ -30,3 +30,23 @@ def formatted(prompts, completions, **kwargs):
 def digits(prompts, completions, **kwargs):
     """The share of characters that are digits: a dense toy signal that even a tiny random model can learn (the demo's)."""
     return [sum(ch.isdigit() for ch in _text(c)) / max(len(_text(c)), 1) for c in completions]
+
+
+def grounded(prompts, completions, **kwargs):
+    """Agentic runs (--tools): 1 when the final answer repeats the last number a tool returned, else 0
+    (completions are lists of turns: assistant messages and the tool results between them)."""
+    scores = []
+    for turns in completions:
+        results = [t["content"] for t in turns if isinstance(turns, list) and t["role"] == "tool"]
+        scores.append(1.0 if results and results[-1] in _text(turns) else 0.0)
+    return scores
+
+
+def tool_ok(prompts, completions, **kwargs):
+    """Agentic runs (--tools): 1 when the completion called a tool and every call returned a result
+    (no error), else 0: a dense signal for well-formed calls."""
+    scores = []
+    for turns in completions:
+        results = [t["content"] for t in turns if isinstance(turns, list) and t["role"] == "tool"]
+        scores.append(1.0 if results and not any(r.startswith("{'error'") for r in results) else 0.0)
+    return scores

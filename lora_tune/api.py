@@ -88,15 +88,16 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
     is written (e.g. `lora_tune.notebook.LivePlot()`; runs in this process only). With `nproc` (or a
     sharding backend) the ranks run as child processes, as on the command line. Raises UserError for
     bad input and `lora_tune.errors.TrainingStopped` when the run stops early (signal, repeated NaN,
-    full disk), after it saved what it could. `reward` (GRPO) takes functions as well as their
-    file.py:func names."""
-    rewards = options.get("reward")
-    rewards = [rewards] if callable(rewards) else rewards
-    functions = rewards if rewards and any(callable(f) for f in rewards) else None
-    if functions:  # recorded by name in the run's config; the callables themselves score
-        options["reward"] = [
-            f if isinstance(f, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', f)}" for f in rewards
-        ]
+    full disk), after it saved what it could. `reward` and `tools` (GRPO) take functions as well as
+    their file.py:func names, `environment` classes (a dict {name: class}: picked per row by name)."""
+    functions, tools = _callables(options, "reward"), _callables(options, "tools")
+    environments = options.get("environment")
+    given = list(environments.values()) if isinstance(environments, dict) else environments
+    given = given if isinstance(given, list) else [given]
+    if environments is None or all(isinstance(e, str) for e in given):
+        environments = None
+    else:  # recorded by name in the run's config, as functions are
+        options["environment"] = [e if isinstance(e, str) else _name(e) for e in given]
     cfg = _config(TrainConfig, config, options, "lora_tune.train()")
     _quiet(cfg)
     if (cfg.nproc or engines.spec_of(cfg).multi_process) and not ranks.launched():
@@ -111,8 +112,23 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        recipe.run(replace(check_inputs(cfg, functions), resume_how=RESUME_HOW), on_metrics=callback)
+        recipe.run(replace(check_inputs(cfg, functions, tools, environments), resume_how=RESUME_HOW), on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
+
+
+def _name(obj) -> str:
+    return f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', obj)}"
+
+
+def _callables(options: dict, key: str) -> list | None:
+    """The API's functions given for a spec option (`reward`, `tools`), or None: recorded by name in
+    the run's config (options[key]); the functions themselves run."""
+    given = options.get(key)
+    given = [given] if callable(given) else given
+    if not given or not any(callable(f) for f in given):
+        return None
+    options[key] = [f if isinstance(f, str) else _name(f) for f in given]
+    return given
 
 
 def _result(out: Path) -> TrainResult:

@@ -13,7 +13,7 @@ from lora_tune.engines.options import EngineOptions
 from lora_tune.models.options import LoraOptions, ModelOptions
 from lora_tune.options import FREE, MATH, size_text
 from lora_tune.training.generation.options import VLLMOptions
-from lora_tune.training.objectives.options import GRPOOptions, ObjectiveOptions
+from lora_tune.training.objectives.options import AgentOptions, GRPOOptions, ObjectiveOptions
 from lora_tune.training.options import EvalOptions, OptimOptions, OutputOptions, SpeedOptions
 
 # In the order --help shows them (and a run's lora_tune_config.yaml lists them).
@@ -25,6 +25,7 @@ SECTIONS = (
     SpeedOptions,
     ObjectiveOptions,
     GRPOOptions,
+    AgentOptions,
     VLLMOptions,
     EngineOptions,
     EvalOptions,
@@ -40,6 +41,7 @@ class TrainConfig(
     EvalOptions,
     EngineOptions,
     VLLMOptions,
+    AgentOptions,
     GRPOOptions,
     ObjectiveOptions,
     SpeedOptions,

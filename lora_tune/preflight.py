@@ -50,6 +50,7 @@ from lora_tune.models.structure import is_image_text
 from lora_tune.models.targets import lora_targets, token_ids
 from lora_tune.planner.run_plan import memory_plan
 from lora_tune.training import compilation
+from lora_tune.training.episodes import check_template
 from lora_tune.training.generation import registry as generation
 from lora_tune.training.inputs import RunInputs, SpeedLevers
 from lora_tune.training.metrics import check_reporter
@@ -65,6 +66,7 @@ from lora_tune.training.run_folder import (
     check_steps_left,
     run_world_size,
 )
+from lora_tune.training.tools import load_toolbox
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -160,8 +162,9 @@ def speed_levers(cfg: TrainConfig, config, device: torch.device) -> SpeedLevers:
     return SpeedLevers(packing, chunk, attention, passes)
 
 
-def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunInputs:
-    """`reward_functions`: the API's callables, in place of --reward's file.py:func specs."""
+def check_inputs(cfg: TrainConfig, reward_functions: list | None = None, tools: list | None = None, environments=None) -> RunInputs:
+    """`reward_functions`, `tools`, `environments`: the API's callables and classes (a dict of
+    classes: picked by name per row), in place of --reward's, --tools' and --environment's specs."""
     engines.check_compatibility(cfg)
     compilation.check_cell(cfg, engines.spec_of(cfg))
     objectives.check_options(cfg)
@@ -171,7 +174,9 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
             "--eval-tasks); add one, or leave --eval-steps out"
         )
     objective = objectives.of(cfg)
-    rewards = load_rewards(reward_functions or cfg.reward, cfg.reward_weights) if objective.online else None
+    toolbox = load_toolbox(tools or cfg.tools, environments or cfg.environment) if objective.online else None
+    extra = toolbox.reward_functions() if toolbox else ()
+    rewards = load_rewards(reward_functions or cfg.reward, cfg.reward_weights, extra) if objective.online else None
     check_reporter(cfg.report_to)
     base_path = resolve_base(cfg.base)
     base_id = base_path if not Path(base_path).is_dir() else str(Path(base_path).resolve())
@@ -180,6 +185,8 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
     fingerprint = base_fingerprint(base_path, cfg.allow_bin)
     saved_state = check_resume_settings(cfg, resume_from, fingerprint) if resume_from else None
     tokenizer = load_tokenizer(base_path, cfg.trust_remote_code)
+    if toolbox:
+        check_template(tokenizer)
     device = pick_device()
     config = load_config(base_path, cfg.trust_remote_code)
     engines.check_layer_by_layer(cfg, quant_method(config))
@@ -228,6 +235,8 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         log.info("data source %s", line)
     log.info("data: %s format, %s; %d train / %d eval samples", data.format, data.stats.summary(), len(data.train), len(data.eval))
     saved_state = check_resume_data(cfg, saved_state, data, resume_from) if resume_from else None
+    if toolbox:
+        toolbox.check_rows([data.train.row(i) for i in range(len(data.train))])
     if rewards:
         check_reward_columns(rewards, data.train)
         longest = max(data.train.lengths, default=0) + cfg.max_new_tokens
@@ -275,6 +284,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None) -> RunI
         out_of_memory_advice=plan.out_of_memory_advice if plan else (),
         score_tasks=score_tasks,
         rewards=rewards,
+        toolbox=toolbox,
         image_text=image_text if any(data.images) else None,
         # A run continued from a chosen checkpoint goes on from its own newest one.
         **({"resume_how": "the same command with --resume alone (no checkpoint named)"} if isinstance(cfg.resume, str) else {}),

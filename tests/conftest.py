@@ -17,10 +17,11 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora-tune-te
 import datasets.utils.logging  # noqa: E402
 import pytest  # noqa: E402
 
+from lora_tune.models.tiny.agent import build_tiny_agent  # noqa: E402
 from lora_tune.models.tiny.model import build_tiny_llama  # noqa: E402
 from lora_tune.training.generation import vllm_api as vllm  # noqa: E402
 
-from helpers import ALPACA, CHAT, PROMPT_COMPLETION, TEXT, free_port, write_jsonl  # noqa: E402
+from helpers import ALPACA, CHAT, PROMPT_COMPLETION, ROOT, TEXT, free_port, write_jsonl  # noqa: E402
 
 
 def pytest_configure(config):
@@ -38,6 +39,13 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_no_template(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama-nochat"), with_chat_template=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_agent(tmp_path_factory) -> Path:
+    """The tiny Llama with Qwen2.5's tool template, fine-tuned on examples/data/arithmetic_demos.jsonl
+    until its rollouts call the calculator (lora_tune.models.tiny.agent)."""
+    return build_tiny_agent(tmp_path_factory.mktemp("tiny-agent"), ROOT / "examples" / "data" / "arithmetic_demos.jsonl", steps=120)
 
 
 @pytest.fixture
@@ -78,8 +86,9 @@ def vllm_server(vllm_python, vllm_tiny_model, tmp_path_factory):
     url = f"http://127.0.0.1:{free_port()}"
     log_file = tmp_path_factory.mktemp("vllm-server") / "server.log"
     args = vllm.server_args(str(vllm_tiny_model), url, "float32", 16, 1024)
-    process = vllm.launch(vllm_python, args, url, log_file, kv_cache_space=1)
-    server = vllm.Server(vllm.Client(url, 60), process, log_file, log_file.parent / "adapters")
+    rpc = vllm.rpc_folder()
+    process = vllm.launch(vllm_python, args, url, log_file, kv_cache_space=1, rpc=rpc)
+    server = vllm.Server(vllm.Client(url, 60), process, log_file, log_file.parent / "adapters", rpc)
     try:
         vllm.wait_healthy(server.client, url, 300, process, log_file)
         yield url

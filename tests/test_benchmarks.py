@@ -68,6 +68,22 @@ def test_grpo_vs_trl_runs_both_routes_on_a_tiny_shape(tmp_path):
     assert "TRL GRPOTrainer(use_vllm=True) can't run on this CPU" in proc.stdout  # said, with the reasons
 
 
+def test_agent_vs_trl_runs_both_routes_on_the_calculator(tmp_path):
+    proc = run_tiny("agent_vs_trl.py", tmp_path)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
+    assert [row.split(" | ")[0].removeprefix("| ") for row in rows] == [
+        "lora-tune train --objective grpo --tools",
+        "TRL GRPOTrainer(tools=[...])",
+    ]
+    for row in rows:
+        cells = row.removesuffix(" |").split(" | ")
+        wall, rewards, calls, masked = float(cells[1]), [float(v) for v in cells[4:6]], float(cells[6]), float(cells[7].rstrip("%"))
+        assert wall > 0 and all(0 <= r <= 2 for r in rewards) and calls >= 0 and 0 <= masked < 100
+    assert any(
+        line.startswith("lora-tune train --objective grpo --tools vs TRL") and "peak RSS" in line for line in proc.stdout.splitlines()
+    )
+
+
 def test_checkpointing_budget_runs_and_auto_keeps_half_the_layers(tmp_path):
     proc = run_tiny("checkpointing_budget.py", tmp_path)
     assert "gradient checkpointing (auto): 2 of 4 decoder layers recomputed" in proc.stdout

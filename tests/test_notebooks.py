@@ -17,7 +17,15 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 VLLM_PYTHON = os.environ.get("LORA_TUNE_VLLM_PYTHON")  # the kernels see it: the GRPO notebook's vLLM cell runs
 AT_ONCE = 2  # kernels running together: a kernel spends most of its time importing, on one core
-SECONDS = {"preference": 38, "quickstart": 30, "grpo": 23, "plan_70b": 21, "vision_language": 20, "merge_and_serve": 10}  # alone, 2 cores
+SECONDS = {  # alone, 2 cores
+    "agent": 90,
+    "preference": 38,
+    "quickstart": 30,
+    "grpo": 23,
+    "plan_70b": 21,
+    "vision_language": 20,
+    "merge_and_serve": 10,
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +86,7 @@ def test_notebooks_are_stored_without_outputs_and_install_in_colab():
         "preference.ipynb",
         "grpo.ipynb",
         "vision_language.ipynb",
+        "agent.ipynb",
     }
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
@@ -144,6 +153,20 @@ def test_grpo(executed):
         assert len(ratios) == 2 and all(abs(x - 1) < 1e-3 for x in ratios), text[-2000:]
     else:
         assert "no vLLM environment: set VLLM_PYTHON" in text
+
+
+def test_agent(executed):
+    """A tiny model that calls a calculator, trained with GRPO on CPU: the plan with tools, the run's
+    tool calls, an episode with the tool's result in it, the guessing game."""
+    nb, workdir = execute(executed, "agent")
+    text = text_of(nb)
+    assert "448" in text and "def grounded(" in text and "with tools a later turn decodes 96 more" in text
+    first, last = map(float, re.search(r"mean reward: first 4 steps ([\d.]+), last 4 steps ([\d.]+)", text).groups())
+    calls = float(re.search(r"tool calls per completion: ([\d.]+)", text).group(1))
+    assert calls > 0 and 0 <= first <= 2 and 0 <= last <= 2, text[-2000:]
+    assert "<tool_response>" in text and "question: What is" in text
+    assert "['higher', 'lower', 'correct'] reward 0.333" in text
+    assert (workdir / "agent_curves.png").is_file()
 
 
 def test_vision_language(executed):

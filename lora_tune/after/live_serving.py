@@ -98,8 +98,9 @@ def start_server(cfg, base: str, rank: int, max_model_len: int, scratch: Path) -
     url = f"http://127.0.0.1:{vllm_api.free_port()}"
     log_file = scratch / "vllm-server.log"
     args = vllm_api.server_args(base, url, "float32", rank, max_model_len)
-    process = vllm_api.launch(python, args, url, log_file, kv_cache_space=1)
-    server = vllm_api.Server(vllm_api.Client(url, 600), process, log_file, scratch / "adapters")
+    rpc = vllm_api.rpc_folder()
+    process = vllm_api.launch(python, args, url, log_file, kv_cache_space=1, rpc=rpc)
+    server = vllm_api.Server(vllm_api.Client(url, 600), process, log_file, scratch / "adapters", rpc)
     try:
         vllm_api.wait_healthy(server.client, url, 600, process, log_file)
     except UserError:

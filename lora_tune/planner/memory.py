@@ -31,7 +31,9 @@
 * Online RL (GRPO): a micro-batch trains prompt + completion (max_seq_len + max_new_tokens tokens per
   sequence); before it, the policy generates a step's completions at once with a KV cache of
   2 e kv per token per layer for prompt + max_new_tokens tokens, and each decoding step holds the
-  [sequences x vocab] scores (compute dtype, and three fp32 copies while sampling). Generation and
+  [sequences x vocab] scores (compute dtype, and three fp32 copies while sampling). With tools the
+  completion (every turn, tool results included) stays within --max-new-tokens, and a later turn's
+  rows decode up to --max-new-tokens more after it: the cache counts that longest episode. Generation and
   training never hold their working sets at the same time: the plan counts the larger, and shows
   generation's excess over training's activations as `generation`. With --rollout vllm colocated,
   vLLM's copy of the base and its KV cache take that place (on a GPU vLLM reserves
@@ -106,9 +108,19 @@ def setup_from(cfg, attention: str | None = None) -> Setup:
         new_tokens=cfg.max_new_tokens if objective.online else 0,
         rollout_sequences=cfg.micro_batch_size * cfg.grad_accum if objective.online else 0,
         rollout=generation.name(cfg),
+        turn_tokens=turn_tokens(cfg, objective.online),
         max_pixels=cfg.max_pixels,
         train_vision=cfg.train_vision,
     )
+
+
+def turn_tokens(cfg, online: bool) -> int:
+    """With tools, the longest episode a decoding pass holds: a later turn's rows are the prompt and
+    the completion so far (up to --max-new-tokens, tool results of at most --max-tool-result-tokens
+    included), left-padded to the longest, and each decodes up to --max-new-tokens more before it is
+    cut to what its budget leaves. A colocated vLLM pages each sequence alone: no padding to count."""
+    agentic = getattr(cfg, "tools", None) or getattr(cfg, "environment", None)
+    return cfg.max_new_tokens if online and agentic and generation.name(cfg) != "vllm-colocate" else 0
 
 
 # --- model states ------------------------------------------------------------------------------------
@@ -349,7 +361,8 @@ def generation_bytes(arch: Architecture, setup: Setup) -> int:
     if not setup.rollout_sequences or setup.rollout == "vllm-server":
         return 0
     e = ELEMENT[setup.precision]
-    cache = setup.rollout_sequences * (setup.max_seq_len + setup.new_tokens) * arch.layers * 2 * arch.kv_heads * arch.head_dim * e
+    longest = setup.max_seq_len + setup.new_tokens + setup.turn_tokens  # the longest episode (lora_tune.training.episodes)
+    cache = setup.rollout_sequences * longest * arch.layers * 2 * arch.kv_heads * arch.head_dim * e
     if setup.rollout == "vllm-colocate":
         return cache + base_weight_bytes(arch, "fp32" if setup.precision == "fp32" else "bf16")[0]
     return cache + setup.rollout_sequences * arch.vocab * (e + 3 * 4)

@@ -32,6 +32,7 @@ class Setup:
     new_tokens: int = 0  # online RL: tokens generated per completion (--max-new-tokens), trained after the prompt
     rollout_sequences: int = 0  # online RL: completions generated at once (a step's: micro-batch x grad-accum)
     rollout: str = "transformers"  # what generates them (lora_tune.training.generation.registry.name)
+    turn_tokens: int = 0  # tools (--tools / --environment): a later turn decodes this many more after the episode so far
     pass_tokens: int | None = None  # a CPU's passes: padded tokens per forward + backward pass; None: a micro-batch per pass
     sequence_parallel: int = 1  # ranks sharing every row (--sequence-parallel): each holds 1/N of its tokens
     mlp_tiles: int = 0  # --tiled-mlp: tiles of each decoder layer's MLP (0: untiled)

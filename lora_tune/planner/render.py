@@ -61,6 +61,7 @@ def table(est: Estimate, setup: Setup, gpu_bytes: int, cpu_bytes: int | None, la
     if setup.rollout_sequences:
         unit = f" (prompt) + {setup.new_tokens} generated, {setup.rollout_sequences} completions per rollout ({setup.objective})"
         unit += ROLLOUT_NOTES.get(setup.rollout, "")
+        unit += f"; with tools a later turn decodes {setup.turn_tokens} more after the episode so far" if setup.turn_tokens else ""
     rows = [
         f"setup: {setup.precision}, rank {setup.rank}, micro-batch {setup.micro_batch_size} x {setup.max_seq_len} tokens{unit}"
         + (f" in passes of {setup.tokens} tokens" if setup.pass_tokens else "")

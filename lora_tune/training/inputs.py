@@ -17,6 +17,7 @@ from lora_tune.models.targets import Targets
 from lora_tune.training.objectives.reference import ReferencePlan
 from lora_tune.training.objectives.registry import Objective
 from lora_tune.training.rewards import Rewards
+from lora_tune.training.tools import Toolbox
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -65,6 +66,8 @@ class RunInputs:
     score_tasks: Callable[[object, object], dict[str, float]] | None = None
     # --objective grpo: the reward functions, loaded and checked (lora_tune.training.rewards).
     rewards: Rewards | None = None
+    # --tools / --environment: what the policy may call and act in (lora_tune.training.tools); None without.
+    toolbox: Toolbox | None = None
     # Image-text data: the base's processor (lora_tune.models.processors.ImageText), which builds each
     # micro-batch's pixel inputs; None when no training row has an image.
     image_text: object | None = None

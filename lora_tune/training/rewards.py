@@ -16,24 +16,19 @@ clean stop that keeps the last checkpoint, with the user's own traceback printed
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
-import itertools
 import math
 import numbers
-import os
 import sys
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 
 import torch
 
-from lora_tune.errors import ESCAPED_BREAKS, UserError, did_you_mean, first_line
+from lora_tune.errors import ESCAPED_BREAKS, UserError, first_line
+from lora_tune.training import user_code
+from lora_tune.training.user_code import callable_name, kind, source_identity, user_traceback
 
 SCALES = ("group", "batch", "none")  # TRL's scale_rewards
 EPSILON = 1e-4  # TRL's: advantages / (std + 1e-4)
@@ -41,8 +36,6 @@ EPSILON = 1e-4  # TRL's: advantages / (std + 1e-4)
 # its prompt / completion / completion_ids columns the same way, and sets trainer_state over any column).
 RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "prompt", "completion")
 F32_MAX = torch.finfo(torch.float32).max
-HERE = os.path.abspath(__file__)
-_module_numbers = itertools.count()  # a file loaded twice runs twice, each time under its own module name
 
 
 class RewardError(Exception):
@@ -159,45 +152,28 @@ class Rewards:
         return scores
 
 
-def kind(value) -> str:
-    """'a list', 'a Tensor of shape (4, 1)': what a function returned, for its error line."""
-    name = type(value).__name__
-    shape = getattr(value, "shape", None)
-    article = "an" if name[:1].lower() in "aeiou" else "a"
-    return f"{article} {name}" + (f" of shape {tuple(shape)}" if shape is not None else "")
-
-
-def user_traceback(error: BaseException) -> str:
-    """The exception's traceback from the user's function down: lora-tune's frames (the call into
-    it) are dropped, so what is printed is all theirs."""
-    te = traceback.TracebackException.from_exception(error)
-    frames = list(te.stack)
-    while frames and os.path.abspath(frames[0].filename) == HERE:
-        frames.pop(0)
-    te.stack = traceback.StackSummary.from_list(frames)
-    return "".join(te.format())
-
-
 def unscorable(rewards_per_func: torch.Tensor) -> torch.Tensor:
     """[n] bool: completions every function left unscored (None); TRL gives them advantage 0."""
     return torch.isnan(rewards_per_func).all(dim=1)
 
 
 # --- loading --------------------------------------------------------------------------------------------
-def load_rewards(specs: Sequence[str | Callable], weights: Sequence[float] | None = None) -> Rewards:
+def load_rewards(specs: Sequence[str | Callable], weights: Sequence[float] | None = None, extra: Sequence = ()) -> Rewards:
     """`--reward` specs (`path/to/file.py:func`, `package.module:func`) or the API's callables,
-    loaded and checked; every problem is a one-line UserError naming the spec."""
-    modules: dict[Path, object] = {}  # a file named by several specs is run once
+    loaded and checked; every problem is a one-line UserError naming the spec. `extra`: (function,
+    identity) of rewards that come with the run's environments (their get_reward), weight 1 each,
+    after the others (TRL's order)."""
+    modules: dict = {}  # a file named by several specs is run once
     try:
-        return build(specs, weights, modules)
+        return build(specs or [], weights, modules, extra)
     except UserError:
         for module in modules.values():  # nothing of a refused --reward stays behind
             sys.modules.pop(module.__name__, None)
         raise
 
 
-def build(specs, weights, modules: dict) -> Rewards:
-    if not specs:
+def build(specs, weights, modules: dict, extra: Sequence = ()) -> Rewards:
+    if not specs and not extra:
         raise UserError("--objective grpo needs at least one --reward: a function f(prompts, completions, **kwargs) as file.py:func")
     loaded = [load_one(spec, i, modules) for i, spec in enumerate(specs)]
     if weights is not None and len(weights) != len(loaded):
@@ -211,19 +187,14 @@ def build(specs, weights, modules: dict) -> Rewards:
             finite = False
         if not finite:
             raise UserError(f"--reward-weights: weight {i + 1} is {w!r}, not a finite number; give one finite number per function")
+    loaded += [(func, f"the environment {callable_name(func)}'s get_reward", identity) for func, identity in extra]
     functions = []
-    for spec, (func, culprit, identity), name in zip(specs, loaded, unique_names([callable_name(f) for f, _, _ in loaded])):
+    for spec, (func, culprit, identity), name in zip([*specs, *extra], loaded, unique_names([callable_name(f) for f, _, _ in loaded])):
         by_keyword, columns = call_style(func, culprit if isinstance(spec, str) else f"reward function {name}")
         functions.append(RewardFunction(func, name, identity, by_keyword, columns))
-    w = torch.tensor([float(x) for x in weights] if weights is not None else [1.0] * len(functions), dtype=torch.float32)
+    given = [float(x) for x in weights] if weights is not None else [1.0] * len(specs)
+    w = torch.tensor(given + [1.0] * len(extra), dtype=torch.float32)
     return Rewards(tuple(functions), w)
-
-
-def callable_name(func) -> str:
-    """TRL's get_callable_name: a partial's wrapped function's __name__, else the class name."""
-    while isinstance(func, partial):
-        func = func.func
-    return getattr(func, "__name__", type(func).__name__)
 
 
 def unique_names(names: list[str]) -> list[str]:
@@ -249,33 +220,12 @@ def load_one(spec, index: int, modules: dict) -> tuple[Callable, str, str]:
             )
         check_callable(spec, f"reward function {callable_name(spec)}")
         return spec, f"reward function {callable_name(spec)}", source_identity(spec)
-    culprit = f"--reward {spec}"
-    target, colon, attr = spec.rpartition(":")
-    if not colon or not target:
-        raise UserError(f"{culprit}: name the function after a colon, as path/to/file.py:func or package.module:func")
-    if not attr or not all(part.isidentifier() for part in attr.split(".")):
-        raise UserError(f"{culprit}: {attr!r} after the colon is not a Python function name; write file.py:func (func as in `def func`)")
-    is_file = target.endswith(".py") or target.startswith(("~", ".")) or "/" in target or os.sep in target or Path(target).is_file()
-    if is_file:
-        module, digest = load_file(target, culprit, modules)
-        identity = f"{Path(target).name}:{attr}@sha256:{digest}"
-    else:
-        if not all(part.isidentifier() for part in target.split(".")):
-            raise UserError(
-                f"{culprit}: {target!r} is neither a .py file nor a module name; write path/to/file.py:func or package.module:func"
-            )
-        module = load_module(target, attr, culprit)
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            own = [n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__ and n[:1] != "_"]
-            listed = ", ".join(own[:10]) + (", ..." if len(own) > 10 else "") if own else "none"
-            raise UserError(f"{culprit}: {target} has no function {attr}{did_you_mean(attr, own)}; the functions it defines: {listed}")
-        obj = getattr(obj, part)
+    obj, culprit, identity = user_code.resolve(spec, "--reward", modules)
     if not callable(obj):
+        target, _, attr = spec.rpartition(":")
         raise UserError(f"{culprit}: {attr} in {target} is {kind(obj)}, not a function; name a function f(prompts, completions, **kwargs)")
     check_callable(obj, culprit)
-    return obj, culprit, identity if is_file else f"{target}:{attr}{file_hashes(module, obj)}"
+    return obj, culprit, identity
 
 
 def check_callable(func, culprit: str) -> None:
@@ -286,105 +236,6 @@ def check_callable(func, culprit: str) -> None:
         inner = inner.func
     if inspect.iscoroutinefunction(inner) or inspect.iscoroutinefunction(type(inner).__call__):
         raise UserError(f"{culprit}: {callable_name(func)} is an async function; reward functions are called synchronously: make it a def")
-
-
-def load_file(target: str, culprit: str, modules: dict) -> tuple[object, str]:
-    """Runs the file as a module of its own (a unique name, its folder on sys.path only while it
-    runs, so it can import its neighbours); compiled from the bytes that are hashed, so the
-    fingerprint is of the code that runs, and no bytecode is written beside it."""
-    path = Path(target).expanduser().absolute()
-    if not path.exists():
-        raise UserError(f"{culprit}: no file {path}; give the path of your .py file, relative to the current directory or absolute")
-    if path.is_dir() or path.suffix != ".py":
-        raise UserError(f"{culprit}: {target} is {'a folder' if path.is_dir() else 'not a .py file'}; give the path of a .py file")
-    try:
-        source = path.read_bytes()
-    except OSError as e:
-        raise UserError(f"{culprit}: can't read {target} ({e.strerror or e}); check its permissions") from None
-    digest = hashlib.sha256(source).hexdigest()
-    if path in modules:
-        return modules[path], digest
-    stem = "".join(c if c.isalnum() else "_" for c in path.stem)
-    name = f"lora_tune_reward_{next(_module_numbers)}_{stem}"
-    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, path))
-    sys.modules[name] = module  # dataclasses and pickling look their module up there while it runs
-    folder = str(path.parent)
-    added = folder not in sys.path
-    if added:
-        sys.path.insert(0, folder)
-    try:
-        exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)  # the user's own reward file
-    except (Exception, SystemExit) as e:
-        del sys.modules[name]
-        raise UserError(f"{culprit}: importing {target} raised {import_failure(e, str(path))}") from None
-    finally:
-        if added and folder in sys.path:
-            sys.path.remove(folder)
-    modules[path] = module
-    return module, digest
-
-
-def load_module(target: str, attr: str, culprit: str):
-    try:
-        module = importlib.import_module(target)
-    except ModuleNotFoundError as e:
-        if e.name and (target == e.name or target.startswith(e.name + ".")):
-            as_file = target.replace(".", "/") + ".py"
-            hint = f" (did you mean {as_file}:{attr}?)" if Path(as_file).is_file() else ""
-            raise UserError(
-                f"{culprit}: no module named {e.name} on the Python path{hint}; give the file instead (path/to/file.py:{attr}) or "
-                "install the module"
-            ) from None
-        raise UserError(f"{culprit}: importing {target} raised {import_failure(e, None)}") from None
-    except (Exception, SystemExit) as e:
-        raise UserError(f"{culprit}: importing {target} raised {import_failure(e, None)}") from None
-    return module
-
-
-def import_failure(error: BaseException, path: str | None) -> str:
-    """'NameError: name 'x' is not defined (line 3)': the error and where in the user's file
-    (`path`; for a module, the deepest frame outside the import machinery, with its file's name)."""
-    if isinstance(error, SyntaxError):
-        message, filename, line = error.msg, error.filename, error.lineno
-    else:
-        message = first_line(error)
-        frames = [
-            f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith("<") and os.path.abspath(f.filename) != HERE
-        ]
-        if path is not None:
-            frames = [f for f in frames if f.filename == path] or frames
-        filename, line = (frames[-1].filename, frames[-1].lineno) if frames else (None, None)
-    if line is None:
-        return f"{type(error).__name__}: {message}"
-    where = f"line {line}" if path is not None and filename == path else f"{Path(filename or '?').name}, line {line}"
-    return f"{type(error).__name__}: {message} ({where})"
-
-
-def file_hashes(module, func) -> str:
-    """A module's file, and the function's own when it is defined elsewhere, hashed."""
-    files = []
-    for obj in (module, func):
-        try:
-            f = inspect.getsourcefile(obj) or getattr(obj, "__file__", None)
-        except TypeError:
-            f = None
-        if f and os.path.isfile(f) and f not in files:
-            files.append(f)
-    return "".join(f"@sha256:{hashlib.sha256(Path(f).read_bytes()).hexdigest()}" for f in files)
-
-
-def source_identity(func) -> str:
-    """A callable's qualified name and the hash of its source text, when Python can find it."""
-    inner = func
-    while isinstance(inner, partial):
-        inner = inner.func
-    if not (inspect.isfunction(inner) or inspect.ismethod(inner)):
-        inner = type(inner)  # a callable instance: its class's source
-    name = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', callable_name(inner))}"
-    try:
-        return f"{name}@sha256:{hashlib.sha256(inspect.getsource(inner).encode()).hexdigest()}"
-    except (OSError, TypeError):
-        return name
 
 
 def call_style(func, culprit: str) -> tuple[bool, tuple[str, ...]]:
@@ -409,11 +260,12 @@ def call_style(func, culprit: str) -> tuple[bool, tuple[str, ...]]:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     names_them = "prompts" in sig.parameters or "completions" in sig.parameters
     by_keyword = names_them or (len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params))
-    skip = {"prompts", "completions", "completion_ids", "trainer_state"} | ({p.name for p in positional[:2]} if not by_keyword else set())
+    passed = {"prompts", "completions", "completion_ids", "trainer_state", "environments"}  # environments: with --environment, as TRL
+    skip = passed | ({p.name for p in positional[:2]} if not by_keyword else set())
     columns = tuple(
         p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in skip
     )
-    probe = {"completion_ids": [], "trainer_state": None, **{c: [] for c in columns}}
+    probe = {"completion_ids": [], "trainer_state": None, "environments": [], **{c: [] for c in columns}}
     try:
         sig.bind(prompts=[], completions=[], **probe) if by_keyword else sig.bind([], [], **probe)
     except TypeError as e:

@@ -46,9 +46,11 @@ from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 from lora_tune.files import write_safetensors
 from lora_tune.models.head import IGNORE
+from lora_tune.training.episodes import Agent
 from lora_tune.training.generation.registry import Generator, special_ids
 from lora_tune.training.objectives.grpo import sampling_correction
 from lora_tune.training.rewards import RewardError, advantages, unscorable
+from lora_tune.training.tools import Episode
 
 log = logging.getLogger("lora_tune")
 
@@ -86,9 +88,18 @@ def check_reward_columns(rewards, prompts) -> None:
 class Completion:
     prompt_index: int
     prompt_ids: list[int]
-    ids: list[int]  # up to and including its first EOS
+    ids: list[int]  # up to and including its first EOS (with tools: every turn, and the tool results between them)
     clipped: bool  # reached --max-new-tokens without EOS
     sampling_logps: list[float] | None = None  # the sampler's, when it is not the trainer (vLLM)
+    mask: list[int] | None = None  # with tools: 1 where the model generated the token (trained), 0 where tools and the template wrote it
+    prompt_turns: list[dict] | None = None  # with tools: the prompt as the episode began (reset's text appended)
+    turns: list[dict] | None = None  # with tools: the completion as TRL's messages (assistant turns, tool results)
+    episode: Episode | None = None  # with tools: its environment and tool calls
+
+    @property
+    def generated(self) -> list[int]:
+        """1 for each token the model generated: what trains and what the length metrics count."""
+        return self.mask if self.mask is not None else [1] * len(self.ids)
 
 
 class Rollout:
@@ -103,6 +114,8 @@ class Rollout:
         self.per_rank = self.cfg.micro_batch_size * self.cfg.grad_accum // self.cfg.num_generations  # prompts per rank
         self.per_generation = self.per_rank * dist.world_size()
         self.pad_id, self.eos_ids = special_ids(inputs.tokenizer, model)
+        context = model.get_base_model().config.get_text_config(decoder=True).max_position_embeddings
+        self.agent = Agent(self.cfg, inputs.tokenizer, inputs.toolbox, self.eos_ids, context) if inputs.toolbox else None
         self.current: tuple[int, list[MicroBatch]] | None = None  # (generation batch, its micro-batches)
         self.warned_unscored = False
         self.samples: list[dict] = []  # what the next logging step writes to completions.jsonl
@@ -129,22 +142,30 @@ class Rollout:
         rows = [self.prompts.row(c.prompt_index) for c in completions]
         tok = self.inputs.tokenizer
         texts = tok.batch_decode([c.ids for c in completions], skip_special_tokens=True)
-        # TRL's shapes: a chat prompt's completion is a list of one assistant message.
+        # TRL's shapes: a chat prompt's completion is a list of one assistant message (with tools: of
+        # every turn, tool results included), and the prompt the one the episode began with.
         answers = [[{"role": "assistant", "content": t}] if isinstance(r["prompt"], list) else t for r, t in zip(rows, texts)]
+        prompts = [r["prompt"] for r in rows]
         columns = {key: [r.get(key) for r in rows] for key in rows[0] if key != "prompt"}
+        if self.agent:
+            answers, prompts = [c.turns for c in completions], [c.prompt_turns for c in completions]
+            if self.inputs.toolbox.environments:  # TRL passes reward functions each completion's environment
+                columns["environments"] = [c.episode.environment for c in completions]
         error = None
         try:
-            per_func = self.rewards.score([r["prompt"] for r in rows], answers, [c.ids for c in completions], columns, step)
+            per_func = self.rewards.score(prompts, answers, [c.ids for c in completions], columns, step)
         except RewardError as e:
             error, per_func = e, torch.zeros(len(completions), len(self.rewards.names))
         message = dist.first_message(None if error is None else str(error))  # every rank stops, none waits
         if message is not None:
             raise error or RewardError(message)
-        # The whole batch's rewards, lengths and clipping on every rank: [completions, functions + 2].
-        local = torch.cat(
-            [per_func, torch.tensor([[len(c.ids), c.clipped] for c in completions], dtype=torch.float32).reshape(-1, 2)], dim=1
-        )
+        # The whole batch's rewards, lengths (the model's own tokens), clipping, and (tools) the calls,
+        # failed and cut, and every token after the prompt, on every rank: [completions, functions + 6].
+        counts = [list(c.episode.counts.values()) if c.episode else [0, 0, 0] for c in completions]  # calls, failures, truncated
+        facts = [[sum(c.generated), c.clipped, *n, len(c.ids)] for c, n in zip(completions, counts)]
+        local = torch.cat([per_func, torch.tensor(facts, dtype=torch.float32).reshape(-1, 6)], dim=1)
         gathered = dist.all_gather_rows(local)
+        gathered, tools = gathered[:, :-4], gathered[:, -4:].sum(0)
         self._check_scored(gathered[:, :-2], index)  # the same on every rank: all stop, or none
         adv, total, stats = advantages(gathered[:, :-2], self.rewards.weights, cfg.num_generations, cfg.scale_rewards, self.rewards.names)
         # Groups with no signal (rewards that tie) train nothing: their advantage is 0 exactly, where
@@ -159,6 +180,7 @@ class Rollout:
             "completions/min_length": lengths.min(),
             "completions/max_length": lengths.max(),
             "completions/clipped_ratio": clipped.mean(),
+            **(self._tool_metrics(tools, lengths.sum(), len(gathered)) if self.agent else {}),
         }.items():
             self.model.note(name, torch.as_tensor(value, dtype=torch.float32).reshape(1))
         self.samples = [
@@ -166,6 +188,20 @@ class Rollout:
             for r, t, x, a in list(zip(rows, texts, total.tolist(), adv.tolist()))[:SAMPLES_LOGGED]
         ]
         return self._micro_batches(completions, adv)
+
+    @staticmethod
+    def _tool_metrics(tools: torch.Tensor, generated: torch.Tensor, completions: int) -> dict:
+        """TRL's tools/* metrics over the whole generation batch (calls per completion, the share of
+        calls that failed: raised, timed out, unknown tool), and lora-tune's: the share of results cut
+        to --max-tool-result-tokens, and of the completions' tokens that tools and the template wrote
+        (masked out of the loss)."""
+        made, failed, cut, total = tools.tolist()
+        return {
+            "tools/call_frequency": made / completions,
+            "tools/failure_frequency": failed / made if made else 0.0,
+            "tools/truncated_frequency": cut / made if made else 0.0,
+            "tools/masked_token_share": 1.0 - float(generated) / total if total else 0.0,
+        }
 
     def _check_scored(self, per_func: torch.Tensor, index: int) -> None:
         """A generation batch no function scored (None for every completion) has no advantage to
@@ -194,11 +230,27 @@ class Rollout:
         """G completions of each prompt; `first`: the place of this rank's first prompt in the whole
         generation batch (the seeds follow the place, not the rank)."""
         cfg, G = self.cfg, self.cfg.num_generations
+        seeds = [hash((cfg.seed, index, p, i, j)) % (2**63) for p, i in enumerate(prompts, start=first) for j in range(G)]
+        if self.agent:
+            return self._episodes(index, prompts, seeds)
         ids = [list(self.prompts[i].input_ids) for i in prompts]
         rows = [prompt for prompt in ids for _ in range(G)]
-        seeds = [hash((cfg.seed, index, p, i, j)) % (2**63) for p, i in enumerate(prompts, start=first) for j in range(G)]
         sampled = self.generator.generate(index, rows, seeds)
         return [Completion(prompts[row // G], ids[row // G], s.ids, s.clipped, s.logps) for row, s in enumerate(sampled)]
+
+    def _episodes(self, index: int, prompts: list[int], seeds: list[int]) -> list[Completion]:
+        """With tools: each completion an episode of its own (a fresh environment, its prompt rendered
+        with its tools and what reset() said), played turn by turn (lora_tune.training.episodes)."""
+        G, toolbox = self.cfg.num_generations, self.inputs.toolbox
+        owners = [i for i in prompts for _ in range(G)]
+        rows = [self.prompts.row(i) for i in owners]
+        episodes = [toolbox.episode(row) for row in rows]
+        started = [self.agent.prompt(row, e, f"prompt {i}") for i, row, e in zip(owners, rows, episodes)]
+        rolled = self.agent.run(self.generator, index, [ids for _, ids in started], seeds, episodes)
+        return [
+            Completion(i, r.prompt_ids, r.ids, r.clipped, r.logps, r.mask, turns, r.turns, r.episode)
+            for i, (turns, _), r in zip(owners, started, rolled)
+        ]
 
     def close(self) -> None:
         self.generator.close()
@@ -207,7 +259,7 @@ class Rollout:
     def _micro_batches(self, completions: list[Completion], adv: torch.Tensor) -> list[MicroBatch]:
         cfg = self.cfg
         trained = [not (cfg.mask_truncated and c.clipped) for c in completions]
-        tokens = sum(len(c.ids) for c, t in zip(completions, trained) if t)
+        tokens = sum(sum(c.generated) for c, t in zip(completions, trained) if t)
         # Completions with nothing to learn: masked, or advantage 0 with no KL term (exactly zero loss and gradient).
         skip = [not t or (cfg.beta == 0 and cfg.loss_type != "bnpo" and a == 0) for t, a in zip(trained, adv.tolist())]
         kept = [k for k in range(len(completions)) if not skip[k]]
@@ -222,7 +274,13 @@ class Rollout:
         batches = [self._collate([completions[k] for k in g], adv[g], [trained[k] for k in g]) for g in groups]
         # The sampler's log-probability of every label token of each micro-batch, in label order (vLLM's).
         sampling = (
-            [torch.tensor([x for k in g if trained[k] for x in completions[k].sampling_logps], dtype=torch.float32) for g in groups]
+            [
+                torch.tensor(
+                    [x for k in g if trained[k] for x, m in zip(completions[k].sampling_logps, completions[k].generated) if m],
+                    dtype=torch.float32,
+                )
+                for g in groups
+            ]
             if self.corrects
             else None
         )
@@ -234,9 +292,10 @@ class Rollout:
 
     def _collate(self, completions: list[Completion], adv: torch.Tensor, trained: list[bool]) -> MicroBatch:
         """Prompt + completion per sequence, packed into one row (or one per row, padded) by the data
-        stage's collate; labels on the completion tokens of trained completions only."""
+        stage's collate; labels on the tokens the model generated, of trained completions only (tool
+        results and the template's tokens between turns are IGNORE: TRL's tool_mask)."""
         samples = [
-            Sample(c.prompt_ids + c.ids, [IGNORE] * len(c.prompt_ids) + (c.ids if t else [IGNORE] * len(c.ids)))
+            Sample(c.prompt_ids + c.ids, [IGNORE] * len(c.prompt_ids) + [x if t and m else IGNORE for x, m in zip(c.ids, c.generated)])
             for c, t in zip(completions, trained)
         ]
         packed = self.inputs.levers.packing

@@ -313,3 +313,20 @@ def test_quantized_bases_under_zero3_are_partitioned_while_loading(precision, ca
         assert result["fits"] is True
     bf16 = plan.estimate(arch, plan.Setup(precision="bf16", backend="deepspeed", zero=3, gpus=8, max_seq_len=512))
     assert bf16.per_device["total_bytes"] < plan.base_weight_bytes(arch, "bf16")[0] / 4  # zero.Init: never whole
+
+
+@pytest.mark.parametrize("rollout", ["transformers", "vllm"])
+def test_the_rollout_cache_counts_the_longest_episode_with_tools(rollout):
+    """With tools a later turn decodes up to --max-new-tokens after the prompt and the completion so far
+    (itself within --max-new-tokens, tool results included), rows left-padded to the longest: the
+    cache of each completion grows by --max-new-tokens positions; a colocated vLLM pages sequences alone."""
+    grpo = dict(base="llama-70b", data="x.jsonl", output_dir="o", objective="grpo", reward=["r.py:f"], max_seq_len=512)
+    grpo.update(max_new_tokens=256, num_generations=4, micro_batch_size=4, grad_accum=2, rollout=rollout)
+    if rollout == "vllm":
+        grpo["vllm_mode"] = "colocate"
+    plain, agent = (plan.setup_from(TrainConfig(**grpo, **extra)) for extra in ({}, {"tools": ["t.py:calc"], "max_tool_calls": 3}))
+    arch = LLAMA3_70B
+    per_position = 8 * arch.layers * 2 * arch.kv_heads * arch.head_dim * 2  # 8 completions, bf16
+    grown = plan.generation_bytes(arch, agent) - plan.generation_bytes(arch, plain)
+    assert grown == (256 * per_position if rollout == "transformers" else 0)
+    assert plain.turn_tokens == 0 and agent.turn_tokens == (256 if rollout == "transformers" else 0)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import re
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -142,6 +144,13 @@ def server_of(trainer: psutil.Process) -> psutil.Process | None:
     return None
 
 
+def sockets_and_folders_in_tmp() -> set[str]:
+    """What a vLLM engine could leave in the temporary folder: sockets (its IPC paths) and lora-tune's
+    folders for them."""
+    tmp = Path(tempfile.gettempdir())
+    return {p.name for p in tmp.iterdir() if p.name.startswith("lora-tune-vllm-") or stat.S_ISSOCK(p.lstat().st_mode)}
+
+
 def test_lora_tune_starts_the_server_and_a_server_killed_mid_run_is_one_line_then_resume_is_exact(
     vllm_python, vllm_server, vllm_tiny_model, files, tmp_path, capsys
 ):
@@ -151,6 +160,7 @@ def test_lora_tune_starts_the_server_and_a_server_killed_mid_run_is_one_line_the
     ends bit for bit where an uninterrupted run ends."""
     port = free_port()
     out = tmp_path / "run"
+    before = sockets_and_folders_in_tmp()
     args = grpo_args(vllm_tiny_model, files, out, max_steps=6, save_steps=2, rollout="vllm", vllm_python=vllm_python,
                      vllm_url=f"http://127.0.0.1:{port}")  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "lora_tune", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -176,6 +186,7 @@ def test_lora_tune_starts_the_server_and_a_server_killed_mid_run_is_one_line_the
     while any(f"--port {port}" in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])):
         assert time.monotonic() < deadline, "a vLLM process outlived the run"
         time.sleep(0.5)
+    assert sockets_and_folders_in_tmp() <= before, "the server lora-tune started left its IPC sockets in the temporary folder"
 
     resume = grpo_args(vllm_tiny_model, files, out, max_steps=6, save_steps=2, rollout="vllm", vllm_url=vllm_server)
     code, _, err = run_cli([*resume, "--resume"], capsys)
@@ -209,8 +220,10 @@ def test_a_colocated_engine_generates_what_the_server_does(vllm_python, vllm_tin
     differ. Every step's adapter is the one vLLM generated with: at fp32 the ratio stays 1."""
     out = tmp_path / "colocated"
     args = grpo_args(vllm_tiny_model, files, out, max_steps=4, rollout="vllm", vllm_mode="colocate")
+    before = sockets_and_folders_in_tmp()
     done = subprocess.run([vllm_python, "-m", "lora_tune", *args], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert sockets_and_folders_in_tmp() <= before, "the colocated engine left its IPC sockets in the temporary folder"
     assert rewards(out)[0] == rewards(learned["vllm"])[0]
     for record in [r for r in read_metrics(out) if "reward" in r]:
         assert abs(record["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, record

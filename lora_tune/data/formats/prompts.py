@@ -2,7 +2,9 @@
 list of chat turns rendered with the model's template up to where the assistant's answer starts
 (TRL's conversational prompts). Nothing is trained on the prompt; the policy's completions are.
 Every other column travels with the prompt to the reward functions, as TRL passes them
-(`answer=[...]`), and the prompt itself reaches them as the user wrote it (text, or messages)."""
+(`answer=[...]`), and the prompt itself reaches them as the user wrote it (text, or messages). A
+`tools` column of tool schemas goes to the template; one of tool names picks among the run's --tools
+(the rollout renders those prompts, lora_tune.training.episodes)."""
 
 from __future__ import annotations
 
@@ -31,4 +33,7 @@ def prompt_text(record: dict, where: str, chat) -> tuple[str, bool]:
     turns = normalise(prompt + [{"role": "assistant", "content": "x"}], where, "prompt")[:-1]
     if turns[-1]["role"] == "assistant":
         raise UserError(f"{where}: the prompt's last turn is the assistant's; a prompt ends where the answer starts")
-    return chat.generation_prompt(turns, where, record.get("tools") or None), True
+    tools = record.get("tools") or None
+    if isinstance(tools, list) and all(isinstance(t, str) for t in tools):
+        tools = None  # names of the run's --tools: the rollout renders each episode with their schemas
+    return chat.generation_prompt(turns, where, tools), True

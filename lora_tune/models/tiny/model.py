@@ -27,6 +27,12 @@ TINY_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# Qwen2.5's own template (tools in the system turn, calls as <tool_call>{json}</tool_call>, results as
+# <tool_response> in a user turn), byte for byte, so that tools and TRL's response parsing see a
+# template they know: the tiny model of agentic RL (build_tiny_llama(tools=True)).
+TOOL_CHAT_TEMPLATE = (Path(__file__).parent / "qwen2_5_chat.jinja").read_text()
+TOOL_TOKENS = ("<|im_start|>", "<|im_end|>")  # special: a turn's start and end (EOS)
+TOOL_WORDS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")  # added, not special: decoded as text
 
 _CORPUS = [
     "Below is an instruction that describes a task. Write a response that appropriately completes the request.",
@@ -47,10 +53,23 @@ _CORPUS = [
 ]
 
 
-def train_tiny_tokenizer(vocab_size: int = 512, extra_special_tokens: dict[str, str] | None = None):
+_TOOL_CORPUS = [
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.",
+    "# Tools\n\nYou may call one or more functions to assist with the user query.",
+    "You are provided with function signatures within <tools></tools> XML tags:",
+    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:",
+    '{"name": <function-name>, "arguments": <args-json-object>}',
+    '{"type": "function", "function": {"name": "calculator", "description": "", "parameters": {"type": "object", "properties": '
+    '{"expression": {"type": "string", "description": ""}}, "required": ["expression"]}, "return": {"type": "string"}}}',
+    "<tool_response>\n</tool_response> What is the answer? Use the calculator for arithmetic, then answer with the number.",
+]
+
+
+def train_tiny_tokenizer(vocab_size: int = 512, extra_special_tokens: dict[str, str] | None = None, tools: bool = False):
     """A byte-level BPE tokenizer with <s>, </s>, <pad>, trained on a fixed corpus (deterministic).
     `extra_special_tokens` (name -> token, e.g. image_token): added after the vocabulary, in order,
-    and named on the tokenizer (`tokenizer.image_token`, `.image_token_id`) as image-text families' are."""
+    and named on the tokenizer (`tokenizer.image_token`, `.image_token_id`) as image-text families' are.
+    `tools`: Qwen2.5's chat template and turn tokens, <|im_end|> the EOS (as Qwen's instruct models)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -60,17 +79,27 @@ def train_tiny_tokenizer(vocab_size: int = 512, extra_special_tokens: dict[str, 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    # With tools, the template's own boilerplate is in the corpus too, so that a prompt with tools stays
+    # a few hundred tokens rather than a thousand.
+    corpus = _CORPUS + (_TOOL_CORPUS if tools else [])
+    tok.train_from_iterator(corpus * 4, trainer=trainer)
     bos = tok.token_to_id("<s>")
     # Like Llama, BOS is prepended by the tokenizer itself; EOS is appended by the data stage.
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)])
     named = dict(extra_special_tokens or {})
     if named:
         tok.add_special_tokens(list(named.values()))
+    if tools:
+        tok.add_special_tokens(list(TOOL_TOKENS))
+        tok.add_tokens(list(TOOL_WORDS))
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", **({"extra_special_tokens": named} if named else {})
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token=TOOL_TOKENS[1] if tools else "</s>",
+        pad_token="<pad>",
+        **({"extra_special_tokens": named} if named else {}),
     )
-    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.chat_template = TOOL_CHAT_TEMPLATE if tools else TINY_CHAT_TEMPLATE
     return fast
 
 
@@ -93,19 +122,21 @@ def tiny_llama_config(vocab_size: int, **overrides):
     return LlamaConfig(**kwargs)
 
 
-def build_tiny_llama(out_dir: str | Path, seed: int = 0, with_chat_template: bool = True, **config_overrides) -> Path:
-    """Write a loadable tiny Llama (safetensors weights + tokenizer) to `out_dir` and return it."""
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, with_chat_template: bool = True, tools: bool = False, **config_overrides) -> Path:
+    """Write a loadable tiny Llama (safetensors weights + tokenizer) to `out_dir` and return it;
+    `tools`: with Qwen2.5's tool-calling chat template (train_tiny_tokenizer)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tiny_tokenizer()
+    tokenizer = train_tiny_tokenizer(tools=tools)
     if not with_chat_template:
         tokenizer.chat_template = None
-    config = tiny_llama_config(len(tokenizer), **config_overrides)
+    eos = tokenizer.eos_token_id
+    config = tiny_llama_config(len(tokenizer), **{"eos_token_id": eos, **config_overrides})
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos, "pad_token_id": 0}))
     return out
 
 

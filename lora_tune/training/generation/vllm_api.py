@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -130,14 +132,17 @@ class Server:
     """What `start` leaves running for the run: the server's client, and the server process when
     lora-tune started it (rank 0), stopped by `close`."""
 
-    def __init__(self, client: Client, process: subprocess.Popen | None, log_file: Path | None, adapters: Path):
-        self.client, self.process, self.log_file, self.adapters = client, process, log_file, adapters
+    def __init__(self, client: Client, process: subprocess.Popen | None, log_file: Path | None, adapters: Path, rpc: Path | None = None):
+        self.client, self.process, self.log_file, self.adapters, self.rpc = client, process, log_file, adapters, rpc
 
     def close(self) -> None:
         if dist.is_main():
             handover.remove(self.adapters)  # the run's adapters for vLLM: none outlives it
-        if self.process is None:
-            return
+        if self.process is not None:
+            self._stop()
+        remove_rpc_folder(self.rpc)
+
+    def _stop(self) -> None:
         # Its own session: the engine's processes too, also when the server itself already died.
         for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 5)):
             try:
@@ -151,13 +156,31 @@ class Server:
             time.sleep(1)  # the engine's processes wind down after the server
 
 
-def launch(python: str, args: list[str], url: str, log_file: Path, kv_cache_space: float) -> subprocess.Popen:
+RPC_ENV = "VLLM_RPC_BASE_PATH"
+
+
+def rpc_folder() -> Path | None:
+    """A folder for the IPC sockets of a vLLM engine lora-tune starts: vLLM makes one per engine in
+    the temporary folder and never removes them, so each engine gets a folder removed when it stops
+    (a short path: a socket's path has at most 107 characters). None when the user chose one
+    ($VLLM_RPC_BASE_PATH)."""
+    return None if os.environ.get(RPC_ENV) else Path(tempfile.mkdtemp(prefix="lora-tune-vllm-"))
+
+
+def remove_rpc_folder(folder: Path | None) -> None:
+    if folder is not None and not folder.is_symlink():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def launch(python: str, args: list[str], url: str, log_file: Path, kv_cache_space: float, rpc: Path | None = None) -> subprocess.Popen:
     """vLLM's OpenAI server as a child of this process (its own session, so its engine's processes
-    stop with it), logging to `log_file`."""
+    stop with it), logging to `log_file`, its IPC sockets in `rpc` (rpc_folder)."""
     host, port = address(url)
     if Client(url, 5).healthy() or port_taken(host, port):
         raise UserError(f"--vllm-python: something already listens at {url}; stop it, or give --vllm-url another port")
     env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_space:g}"}
+    if rpc is not None:
+        env[RPC_ENV] = str(rpc)
     command = [python, "-c", PRELUDE, "-m", "vllm.entrypoints.openai.api_server", *args]
     log.info("starting vLLM: %s %s (log: %s)", python, " ".join(command[3:]), log_file)
     with open(log_file, "ab") as sink:

@@ -21,7 +21,16 @@ from lora_tune.engines import ranks as dist
 from lora_tune.errors import UserError
 from lora_tune.training.generation import handover
 from lora_tune.training.generation.registry import GenerationError, Sampled, cut_at_eos, special_ids
-from lora_tune.training.generation.vllm_api import VLLM_DTYPES, check_head_size, sampling, vllm_max_lora_rank, vllm_seed
+from lora_tune.training.generation.vllm_api import (
+    RPC_ENV,
+    VLLM_DTYPES,
+    check_head_size,
+    remove_rpc_folder,
+    rpc_folder,
+    sampling,
+    vllm_max_lora_rank,
+    vllm_seed,
+)
 from lora_tune.training.generation.vllm_server import needed_length
 
 log = logging.getLogger("lora_tune")
@@ -39,12 +48,13 @@ def check_inputs(cfg, base_path: str, config, max_model_len: int) -> None:
 class Engine:
     """The vLLM engine of this rank, built before the trainer loads the base."""
 
-    def __init__(self, llm, adapters, sleeps: bool):
-        self.llm, self.adapters, self.sleeps = llm, adapters, sleeps
+    def __init__(self, llm, adapters, sleeps: bool, rpc):
+        self.llm, self.adapters, self.sleeps, self.rpc = llm, adapters, sleeps, rpc
 
     def close(self) -> None:
         self.llm = None  # vLLM shuts its engine core down when the LLM is collected
         handover.remove(self.adapters)  # every rank's copies: none outlives the run
+        remove_rpc_folder(self.rpc)
 
 
 def start(inputs) -> Engine:
@@ -55,6 +65,9 @@ def start(inputs) -> Engine:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{cfg.vllm_kv_cache_space:g}")
     if not cfg.verbose:  # its engine's start-up and shutdown logs are not about anything the user did
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    rpc = rpc_folder()
+    if rpc is not None:  # vLLM reads it when the engine starts: its sockets there, removed at close
+        os.environ[RPC_ENV] = str(rpc)
     if dist.is_main():
         handover.clear(inputs.output_dir)
     dist.barrier()
@@ -76,7 +89,7 @@ def start(inputs) -> Engine:
     log.info("vLLM engine (colocated) built in %.0f s", time.monotonic() - started)
     if cuda:
         llm.sleep(level=1)  # the trainer loads and steps first
-    return Engine(llm, handover.folder(inputs.output_dir), sleeps=cuda)
+    return Engine(llm, handover.folder(inputs.output_dir), sleeps=cuda, rpc=rpc)
 
 
 def create(inputs, model, engine, started: Engine) -> ColocatedGenerator:
@@ -98,7 +111,8 @@ class ColocatedGenerator:
         from vllm.lora.request import LoRARequest  # noqa: PLC0415 - optional: vLLM's environment only
 
         cfg, llm = self.cfg, self.vllm.llm
-        folder = self.handover.publish(index)  # collective: every rank gathers and writes its copy
+        later_turn = self.loaded == index + 1  # a batch's later turns (tools) use the adapter already loaded
+        folder = self.handover.current if later_turn else self.handover.publish(index)  # collective: every rank writes its copy
         error, sampled = None, None
         try:
             if self.vllm.sleeps:
@@ -113,7 +127,7 @@ class ColocatedGenerator:
                 ids = list(done.token_ids)
                 logps = [step[token].logprob for step, token in zip(done.logprobs, ids)]
                 sampled.append(cut_at_eos(ids, self.eos_ids, logps))
-            if self.loaded is not None:
+            if self.loaded is not None and not later_turn:
                 llm.llm_engine.remove_lora(self.loaded)
             self.loaded = request.lora_int_id
             if self.vllm.sleeps:

@@ -40,6 +40,7 @@ from lora_tune.training.generation.vllm_api import (
     error_text,
     launch,
     reason,
+    rpc_folder,
     sampling,
     server_args,
     vllm_seed,
@@ -125,24 +126,24 @@ def start(inputs) -> Server:
     cfg, out = inputs.cfg, inputs.output_dir
     client = Client(cfg.vllm_url, cfg.vllm_timeout)
     adapters = handover.folder(out)
-    process = log_file = None
+    process = log_file = rpc = None
     error = None
     if dist.is_main():
         handover.clear(out)
         try:
             if cfg.vllm_python:
-                log_file = out / LOG_FILE
+                log_file, rpc = out / LOG_FILE, rpc_folder()
                 args = server_args(inputs.base_path, cfg.vllm_url, VLLM_DTYPES[cfg.precision], cfg.rank, needed_length(inputs))
-                process = launch(cfg.vllm_python, args, cfg.vllm_url, log_file, cfg.vllm_kv_cache_space)
+                process = launch(cfg.vllm_python, args, cfg.vllm_url, log_file, cfg.vllm_kv_cache_space, rpc)
             wait_healthy(client, cfg.vllm_url, cfg.vllm_timeout, process, log_file)
             probe_rank(client, cfg, adapters, inputs.base_path, needed_length(inputs))
         except UserError as e:
             error = str(e)
     message = dist.first_message(error)
     if message is not None:
-        Server(client, process, log_file, adapters).close()
+        Server(client, process, log_file, adapters, rpc).close()
         raise UserError(message)
-    return Server(client, process, log_file, adapters)
+    return Server(client, process, log_file, adapters, rpc)
 
 
 def probe_rank(client: Client, cfg, adapters: Path, base: str, max_model_len: int) -> None:
@@ -186,11 +187,24 @@ class ServerGenerator:
         self.handover = handover.Handover(server.adapters, model.peft_model, engine)
         self.pad_id, self.eos_ids = special_ids(inputs.tokenizer, model)
         self.loaded: str | None = None  # the adapter the server holds for this run
+        self.serving: int | None = None  # the generation batch it was handed over for
         # A name no earlier run left on the server, rank 0's on every rank (they ask for the same adapter).
         self.tag = dist.first_message(f"lora-tune-{os.getpid()}-{int(time.time())}" if dist.is_main() else None)
 
     def generate(self, index: int, prompts: list[list[int]], seeds: list[int]) -> list[Sampled]:
         name = f"{self.tag}-gen{index}"
+        if index != self.serving:  # a batch's later turns (tools) are requests to the adapter already loaded
+            self._hand_over(index, name)
+        sampled, error = None, None
+        try:
+            sampled = self._complete(name, prompts, seeds)
+        except GenerationError as e:
+            error = str(e)
+        self._agree(error, index)
+        return sampled
+
+    def _hand_over(self, index: int, name: str) -> None:
+        """The adapter as it is now, loaded on the server under a new name; the batch before's unloaded."""
         folder = self.handover.publish(index)  # collective: every rank gathers, rank 0 writes
         error = None
         if dist.is_main():
@@ -199,15 +213,9 @@ class ServerGenerator:
             except GenerationError as e:
                 error = str(e)
         self._agree(error, index)
-        sampled, error = None, None
-        try:
-            sampled = self._complete(name, prompts, seeds)
-        except GenerationError as e:
-            error = str(e)
-        self._agree(error, index)
         if dist.is_main():
             self._retire(name)
-        return sampled
+        self.serving = index
 
     def _agree(self, error: str | None, index: int) -> None:
         """A failure on any rank stops every rank with the same line."""

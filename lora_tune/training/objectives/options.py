@@ -119,3 +119,47 @@ class GRPOOptions(Options):
     @classmethod
     def _one_reward(cls, v):
         return [v] if isinstance(v, str) else v
+
+
+class AgentOptions(Options):
+    """Agentic RL: tools the policy calls and environments it acts in during its rollouts (read by
+    lora_tune.training.tools and lora_tune.training.episodes); TRL 1.16's `tools=` and
+    `environment_factory`."""
+
+    section = "tools and environments (--objective grpo)"
+
+    tools: list[str] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="grpo: functions the policy may call, as file.py:func or module:func, each with type hints and a docstring "
+        "(described to the model through its chat template's tools); a data column `tools` (names) narrows them per row.",
+    )
+    environment: list[str] | None = Field(
+        None,
+        json_schema_extra=MATH,
+        description="grpo: environment classes (file.py:Class): one fresh instance per completion, reset(**row) -> text appended "
+        "to the prompt, its public methods as tools, get_reward() an extra reward named after the class; several: a data column "
+        "`environment` picks one by class name per row.",
+    )
+    max_tool_calls: int | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=MATH,
+        description="grpo: tool-calling turns per completion (TRL's max_tool_calling_iterations; default: until --max-new-tokens, "
+        "which bounds the whole completion, tool results included, as TRL's max_completion_length).",
+    )
+    tool_timeout: float = Field(
+        30.0,
+        gt=0,
+        json_schema_extra=MATH,
+        description="grpo: seconds a tool call may run before it is abandoned and the model gets an error (a tool runs in the "
+        "trainer's process, in a thread that can't be killed).",
+    )
+    max_tool_result_tokens: int = Field(
+        256, gt=0, json_schema_extra=MATH, description="grpo: a tool result longer than this many tokens is cut to it (and counted)."
+    )
+
+    @field_validator("tools", "environment", mode="before")
+    @classmethod
+    def _one_spec(cls, v):
+        return [v] if isinstance(v, str) else v

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from lora_tune.errors import UserError
 from lora_tune.training.generation.options import VLLMOptions
 from lora_tune.training.objectives.grpo import GRPOLoss
-from lora_tune.training.objectives.options import GRPOOptions
+from lora_tune.training.objectives.options import AgentOptions, GRPOOptions
 from lora_tune.training.objectives.preference import WITH_REFERENCE, PreferenceLoss
 from lora_tune.training.objectives.sft import CausalLMLoss
 
@@ -61,6 +61,7 @@ OPTIONS = {
     "kto_undesirable_weight": ("kto",),
     "reference": tuple(name for name, o in OBJECTIVES.items() if o.reference),
     **{name: ("grpo",) for name in GRPOOptions.model_fields},
+    **{name: ("grpo",) for name in AgentOptions.model_fields},
     **{name: ("grpo",) for name in VLLMOptions.model_fields},
 }
 
@@ -84,7 +85,7 @@ def check_options(cfg) -> None:
 
 def check_online(cfg) -> None:
     """GRPO's own rules, before anything loads: rewards to score with, whole groups per step."""
-    if not cfg.reward:
+    if not cfg.reward and not cfg.environment:
         raise UserError("--objective grpo needs at least one --reward: a function f(prompts, completions, **kwargs) as file.py:func")
     if cfg.reward_weights is not None and len(cfg.reward_weights) != len(cfg.reward):
         raise UserError(
