@@ -190,3 +190,7 @@ def test_a_stopped_api_run_names_the_call_to_continue_it(tiny_model, data_files,
     model, _ = lora_tune.load(tmp_path / "run", device="cpu", dtype="fp32")  # checkpoint-1
     assert model.peft_config["default"].r == 4
     assert lora_tune.train(**kwargs, resume=True).steps == 4
+    # Run once more (a notebook cell run again): the run is finished, its result as it is, nothing written.
+    adapter = (tmp_path / "run" / "adapter_model.safetensors").read_bytes()
+    assert lora_tune.train(**kwargs, resume=True).steps == 4
+    assert (tmp_path / "run" / "adapter_model.safetensors").read_bytes() == adapter

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora_tune.engines import ranks as dist
-from lora_tune.errors import UserError
+from lora_tune.errors import TrainingStopped, UserError
 from lora_tune.files import writable_folder
 from lora_tune.training import checkpoint as ckpt
 
@@ -247,9 +247,11 @@ def check_resume_data(cfg: TrainConfig, state: dict, data: PreparedData, checkpo
 
 
 def check_steps_left(cfg: TrainConfig, state: dict, total_steps: int, checkpoint_dir: Path, out: Path) -> None:
-    """A resume that would train no step: refused, the run left as it is (its config not rewritten).
-    Except a run stopped while finishing (its final checkpoint written, then killed before its clean
-    end, the adapter or tokenizer maybe half written): it resumes to finish, writing the same adapter."""
+    """A resume that would train no step. Past the run's end: refused (exit 2). At its end: a run
+    stopped while finishing (its final checkpoint written, then killed before its clean end, the
+    adapter or tokenizer maybe half written) resumes to finish, writing the same adapter; a finished
+    one is complete: nothing to do, exit 0 (a requeued job's --resume after the run ended), nothing
+    written. Either way the run is left as it is (its config not rewritten)."""
     done = state["step"]
     if done < total_steps:
         return
@@ -259,8 +261,11 @@ def check_steps_left(cfg: TrainConfig, state: dict, total_steps: int, checkpoint
         if not all((out / f).is_file() for f in ADAPTER_FILES) or ckpt.left_by_a_stopped_run(out):
             log.info("%s, the end of the run: nothing to train; finishing the run, stopped before its end, from it", where)
             return
-        raise UserError(
-            f"--resume: {where}, the end of the run ({length}), and its adapter is written; to train further, raise {length.split()[0]}"
+        raise TrainingStopped(
+            f"{where}, the end of the run ({length}), and its adapter is written: nothing to train, nothing written; to train "
+            f"further, raise {length.split()[0]}",
+            0,
+            "finished already",
         )
     raise UserError(
         f"--resume: {where}, past the {total_steps} steps {length} asks for: nothing to train; to train further, raise "
