@@ -11,14 +11,14 @@ call was made and none failed: the dense signal a tiny model learns from in 30 s
 alpha 32 / dropout 0 on every linear layer; G = 4 completions per prompt of up to 96 tokens in all
 (tool results included: TRL's max_completion_length, lora-tune's --max-new-tokens), temperature
 0.7, at most 2 tool calls; a step trains 2 prompts x 4 completions (batch 4, accumulation 2); loss
-dapo, beta 0; lr 1e-2; fp32, no checkpointing (the model is tiny).
+dapo, beta 0; lr 1e-3 (at 1e-2 both routes collapse); fp32, no checkpointing (the model is tiny).
 
 Each route runs in a fresh interpreter; reported: whole-process wall time (imports and model loading
 included), peak RSS (VmHWM), the mean reward over the first and last steps, the tool calls per
 completion, and the share of completion tokens the tools and the template wrote (masked out of the
 loss: TRL's tool_mask, lora-tune's labels). Run it on an idle machine.
 
-    python benchmarks/agent_vs_trl.py [--steps 30] [--workdir DIR] [--tiny]
+    python benchmarks/agent_vs_trl.py [--steps 30] [--lr 1e-3] [--workdir DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def mean(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--lr", type=float, default=1e-3, help="both routes' learning rate")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--tiny", action="store_true", help="a model primed for 30 steps, 3 steps of each route (for the test suite)")
     args = parser.parse_args()
@@ -131,7 +132,7 @@ def main() -> None:
         "max_tool_calls": 2,
         "temperature": 0.7,
         "steps": steps,
-        "lr": 1e-2,
+        "lr": args.lr,
         "seed": 42,
         "examples": str(EXAMPLES),
     }

@@ -185,7 +185,21 @@ def errors_page() -> str:
     return "\n".join(out)
 
 
+def results_page() -> str:
+    """Every benchmarks/results/*.md, included at build time (pymdownx.snippets): a new result is never left out."""
+    lines = [
+        "# Benchmark results",
+        "",
+        "Every benchmark's latest results, as its script wrote them to `benchmarks/results/` (included here at build time, never "
+        "copied by hand). Each file says the command that produced it; the [Performance](performance.md) page reads them.",
+    ]
+    for result in sorted((ROOT / "benchmarks" / "results").glob("*.md")):
+        lines += ["", f"## {result.stem}", "", f'--8<-- "benchmarks/results/{result.name}"']
+    return "\n".join(lines) + "\n"
+
+
 PAGES = {
+    "results.md": results_page,
     "reference/cli.md": cli_page,
     "reference/matrix.md": matrix_page,
     "reference/resume.md": resume_page,
