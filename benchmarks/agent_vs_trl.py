@@ -69,8 +69,8 @@ args = GRPOConfig(output_dir=sys.argv[4], per_device_train_batch_size=cfg["micro
                   max_tool_calling_iterations=cfg["max_tool_calls"], seed=cfg["seed"], disable_tqdm=True,
                   use_cpu=not torch.cuda.is_available(), bf16=False, beta=0.0, loss_type="dapo", use_vllm=False)
 peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-trainer = Measured(model=model, reward_funcs=[correct, grounded, tool_ok], args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
-                   peft_config=peft, tools=[calculator])
+trainer = Measured(model=model, reward_funcs=[correct, grounded, tool_ok], args=args, train_dataset=Dataset.from_list(rows),
+                   processing_class=tok, peft_config=peft, tools=[calculator])
 trainer.train()
 logs = [h for h in trainer.state.log_history if "reward" in h]
 print("RESULT", json.dumps({"peak": peak(), "rewards": [h["reward"] for h in logs], "calls": [h["tools/call_frequency"] for h in logs],
