@@ -4,7 +4,7 @@ files, CLI flags and `--help`.
 Every field of a config is a YAML key and a flag (`max_seq_len` <-> `--max-seq-len`); its
 description is the help text. Each room declares the options it reads as a section (`Options`
 subclasses: `lora_tune.models.options`, `lora_tune.data.options`, ...), composed into the one flat
-`lora_tune.config.TrainConfig`. Fields are tagged by how they behave on `--resume` (the README's
+`lora_tune.config.TrainConfig`. Fields are tagged by how they behave on `--resume` (docs/reference/resume.md's
 resume table is generated from these tags): "math" fields change what the run computes: a change is
 refused unless `--allow-config-change`, which applies it from the first resumed step; "fixed" fields
 are what the checkpoint's state is made of (the adapter's shape, the optimizer's kind, the backend's
@@ -31,7 +31,7 @@ FREE = {"resume_rule": "free"}  # run length, cadence, reporting, paths: may cha
 def fixed(why: str, from_checkpoint: bool = True) -> dict:
     """A setting the checkpoint's state is made of: changing it on --resume is refused, with or
     without --allow-config-change. `why` completes "the checkpoint ..." in the error line and the
-    README's resume table; `from_checkpoint`: a new run can start from the checkpoint's adapter
+    resume table (docs/reference/resume.md); `from_checkpoint`: a new run can start from the checkpoint's adapter
     with the new value (`--init-adapter CHECKPOINT`), which an adapter of another shape can't."""
     return {"resume_rule": "fixed", "resume_why": why, "from_checkpoint": from_checkpoint}
 

@@ -107,7 +107,7 @@ class SpeedOptions(Options):
         description="Compile each decoder layer and the loss's chunk step with torch.compile (regional: one graph serves every "
         "layer; dynamic shapes, so packed batches of any width reuse it) for fused kernels. The first step pays the compile time "
         "(logged), later runs of the same setup hit PyTorch's on-disk cache. Not with 8/4-bit bases or ZeRO-3. Off by default: "
-        "see the README for where it pays.",
+        "see docs/performance.md for where it pays.",
     )
     loss_chunk_size: int | None = Field(
         None,
@@ -164,7 +164,7 @@ class OutputOptions(Options):
         json_schema_extra={**FREE, "flag_value": "CHECKPOINT"},
         description="Continue from the newest complete checkpoint in --output-dir; --resume RUN/checkpoint-STEP continues from that "
         "one: in its own run when it is the newest there, else into a new --output-dir (the run it comes from stays as it is). "
-        "The README's resume table says which settings may change.",
+        "docs/reference/resume.md says which settings may change.",
     )
     allow_config_change: bool = Field(
         False,
