@@ -24,8 +24,8 @@ class EngineOptions(Options):
     backend: str | None = Field(
         None,
         json_schema_extra={**LAYOUT, "registry": "names"},
-        description="Training engine (see the compatibility matrix, docs/reference/matrix.md); default: the backend whose stage --zero names, "
-        "else ddp with several processes, else one device.",
+        description="Training engine (see the compatibility matrix, docs/reference/matrix.md); default: the backend whose stage "
+        "--zero names, else ddp with several processes, else one device.",
     )
     zero: int = Field(
         0,
@@ -58,5 +58,6 @@ class EngineOptions(Options):
         None,
         gt=0,
         json_schema_extra=FREE,
-        description="Start N local processes (lora-tune's own launcher, with torchrun's environment). Not needed when launched by torchrun, deepspeed or accelerate.",
+        description="Start N local processes (lora-tune's own launcher, with torchrun's environment). Not needed when launched by "
+        "torchrun, deepspeed or accelerate.",
     )
