@@ -192,6 +192,8 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
     the GPU when there is one)."""
     from peft import PeftModel  # noqa: PLC0415 - start-up time: importing peft costs seconds, only load() needs it
 
+    from lora_tune.models.adapter import peft_building  # noqa: PLC0415 - the same (it imports peft)
+
     setup_logging()
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -211,7 +213,8 @@ def load(path: str | Path, device: str | None = None, dtype: str = "bf16", trust
         base_path = resolve_base(base)
         auto = auto_class(load_config(base_path, trust_remote_code))  # image-text checkpoints load through their own class
         model = auto.from_pretrained(base_path, dtype=dtype_, trust_remote_code=trust_remote_code)
-        model = PeftModel.from_pretrained(model, str(folder))
+        with peft_building():
+            model = PeftModel.from_pretrained(model, str(folder))
         tokenizer_dir = tokenizer_folder(folder, base_path)  # a checkpoint holds none: its run's, or the base's
     elif (folder / "config.json").is_file():
         auto = auto_class(load_config(str(folder), trust_remote_code))

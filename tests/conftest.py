@@ -31,6 +31,21 @@ def pytest_configure(config):
     datasets.utils.logging.get_logger("datasets")
 
 
+@pytest.fixture(autouse=True)
+def compiler_variables_kept():
+    """A test that builds a BOFT adapter with peft itself (PeftModel.from_pretrained in the test's own
+    code) gets $CC/$CXX set to gcc by peft and never put back; the later tests' C++ builds (Inductor's
+    kernels, in this process and the ones it starts) would then fail. lora-tune's own calls keep them
+    (tests/models/test_adapter_types.py checks inside the test, before this puts them back)."""
+    saved = {name: os.environ.get(name) for name in ("CC", "CXX")}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))

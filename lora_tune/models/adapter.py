@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -93,6 +94,28 @@ def uniform_lora(cfg) -> bool:
     return is_lora(cfg) and not any(getattr(cfg, name, None) for name in extras)
 
 
+COMPILER_VARIABLES = ("CC", "CXX")
+
+
+@contextmanager
+def peft_building():
+    """Around peft building adapter layers (get_peft_model, PeftModel.from_pretrained). peft 0.21's
+    BOFT layers try to build a CUDA extension as they are made, setting $CC and $CXX to gcc for it,
+    and when the build fails (no CUDA, no ninja) leave them set: its copy of accelerate's
+    patch_environment restores them in no `finally`. Every C++ build after that in the process and
+    in the processes it starts (Inductor's kernels under --compile, --nproc's ranks) would link with
+    gcc, not g++, and fail to load ("undefined symbol ... basic_ostringstream"). They are put back."""
+    saved = {name: os.environ.get(name) for name in COMPILER_VARIABLES}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def trained_sizes(config, cfg, targets: Targets) -> tuple[int, ...] | None:
     """Element counts of every tensor the adapter trains, as peft builds it on a meta skeleton of
     `config` (no memory): exact for every --peft-type, pattern, layer list, trainable token and module
@@ -101,7 +124,7 @@ def trained_sizes(config, cfg, targets: Targets) -> tuple[int, ...] | None:
     if getattr(cfg, "trainable_tokens", None) and not targets.tokens:
         targets = replace(targets, tokens=tuple(range(len(cfg.trainable_tokens))))
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), peft_building():
             model = get_peft_model(meta_model(config), peft_config(cfg, targets, config.model_type))
     except (RuntimeError, NotImplementedError) as e:
         log.info("plan: peft can't size a --peft-type %s adapter on a meta skeleton (%s); planned as a LoRA of --rank", cfg.peft_type, e)
@@ -123,7 +146,8 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
     if not is_lora(cfg):  # another type (lora_tune.models.adapter_types): peft initialises it from the run's seed, alike on every rank
         torch.manual_seed(cfg.seed)
-    peft_model = get_peft_model(model, peft_config(cfg, targets, model.config.model_type))
+    with peft_building():
+        peft_model = get_peft_model(model, peft_config(cfg, targets, model.config.model_type))
     if is_lora(cfg):
         check_adapted(wanted, peft_model, cfg)
     else:

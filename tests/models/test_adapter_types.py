@@ -5,6 +5,7 @@ vLLM / llama.cpp users to merge first."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -39,6 +40,20 @@ def logits(model) -> torch.Tensor:
 def test_every_type_lora_tune_offers_is_trained_here_or_refused_saying_why():
     assert set(TRAINED) == {"oft", "boft", "loha", "lokr", "vera", "ia3", "miss", "hra"}
     assert [name for name, kind in TYPES.items() if kind.refusal] == ["adalora"]
+
+
+def test_a_boft_run_and_its_merge_leave_the_compiler_variables_as_they_were(runs, tiny_model, tmp_path, capsys, monkeypatch):
+    """peft's BOFT layers try to build a CUDA extension with $CC/$CXX set to gcc and, when that fails,
+    leave them set: every later C++ build in the process or its children (Inductor under --compile,
+    --nproc's ranks) would link with gcc and fail to load. lora-tune puts them back."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("CXX", "g++")
+    code, _, err = run_cli(fast_train_args(tiny_model, runs["data"], tmp_path / "boft", max_steps=1, peft_type="boft"), capsys)
+    assert code == 0, err
+    assert "CC" not in os.environ and os.environ["CXX"] == "g++"
+    code, _, err = run_cli(["merge", "--adapter", tmp_path / "boft", "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
+    assert code == 0, err
+    assert "CC" not in os.environ and os.environ["CXX"] == "g++"
 
 
 @pytest.mark.parametrize("name", TRAINED)

@@ -21,6 +21,7 @@ from lora_tune.after.serving import read_config
 from lora_tune.errors import UserError
 from lora_tune.files import remove_tree
 from lora_tune.models import shards
+from lora_tune.models.adapter import peft_building
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import auto_class
 
@@ -115,7 +116,8 @@ def peft_logits(base: Path, adapter_dir: Path, ids: torch.Tensor, trust_remote_c
     hf_logging.disable_progress_bar()
     auto = auto_class(load_config(str(base), trust_remote_code))
     model = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with peft_building():
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
 

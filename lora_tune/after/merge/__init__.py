@@ -36,6 +36,7 @@ from lora_tune.after.outputs import check_output, write_mark
 from lora_tune.errors import UserError, sigterm_stops
 from lora_tune.files import remove_tree
 from lora_tune.models import shards
+from lora_tune.models.adapter import peft_building
 from lora_tune.models.loading import dequantizing, load_config, quant_method
 from lora_tune.models.structure import auto_class, text_ids
 from lora_tune.options import parse_size
@@ -58,7 +59,8 @@ def merge_whole_model(base: Path, adapter_dir: Path, out: Path, cfg: MergeConfig
     model = auto_class(config).from_pretrained(
         base, dtype=dtype, trust_remote_code=cfg.trust_remote_code, quantization_config=dequantizing(config)
     )
-    model = PeftModel.from_pretrained(model, adapter_dir).eval()
+    with peft_building():
+        model = PeftModel.from_pretrained(model, adapter_dir).eval()
     ids = text_ids(model, (2, 24), seed=0)
     with torch.no_grad():
         want = model(input_ids=ids, use_cache=False).logits

@@ -16,6 +16,7 @@ from lora_tune.after import vision
 from lora_tune.after.merge.reading import LoraModule
 from lora_tune.errors import UserError
 from lora_tune.models import shards
+from lora_tune.models.adapter import peft_building
 from lora_tune.models.checkpoint_layout import CheckpointLayout
 from lora_tune.models.loading import load_config
 from lora_tune.models.structure import auto_class, text_ids
@@ -40,7 +41,8 @@ def verify_logits(base: Path, adapter_dir: Path, merged: Path, trust_remote_code
     hf_logging.disable_progress_bar()
     auto = auto_class(load_config(str(base), trust_remote_code))
     reference = auto.from_pretrained(base, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    reference = PeftModel.from_pretrained(reference, adapter_dir).eval()
+    with peft_building():
+        reference = PeftModel.from_pretrained(reference, adapter_dir).eval()
     ids = text_ids(reference, (2, 24), seed=0)
     with torch.no_grad():
         want = reference(input_ids=ids, use_cache=False).logits
