@@ -116,8 +116,10 @@ def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
     themselves, and online objectives build their own batches."""
     objective = objectives.of(cfg)
     spec = engines.spec_of(cfg)
-    adapter_types.check(cfg, partitioned=cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero))
-    inits.check(cfg, needs_reference=objective.reference or bool(objective.online and cfg.beta))
+    partitioned = cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero)
+    adapter_types.check(cfg, partitioned=partitioned)
+    needs_reference = objective.reference or bool(objective.online and cfg.beta)
+    inits.check(cfg, needs_reference=needs_reference, partitioned=partitioned, online=objective.online)
     row = cfg.max_seq_len * objective.sequences_per_unit
     tokens = max(PASS_TOKENS, row)
     if device.type != "cpu" or engines.spec_of(cfg).multi_process or objective.online or cfg.micro_batch_size * row <= tokens:

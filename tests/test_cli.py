@@ -202,8 +202,18 @@ BAD_INPUT = {
         lambda c: c.train(init_lora_weights="pisa"),
         "--init-lora-weights: unknown init 'pisa'; choose from gaussian, orthogonal, pissa, pissa_niter_N, olora, eva, corda",
     ),
-    "eva init": (lambda c: c.train(init_lora_weights="eva"), "--init-lora-weights: eva is refused: EVA sets A from an SVD"),
-    "lora-ga init": (lambda c: c.train(init_lora_weights="lora-ga"), "--init-lora-weights: lora-ga is refused: LoRA-GA starts"),
+    "loftq init": (lambda c: c.train(init_lora_weights="loftq"), "--init-lora-weights: loftq is refused: peft's LoftQ quantizes"),
+    "eva under zero-3": (lambda c: c.train(init_lora_weights="eva", zero=3), "no rank holds a whole one to run: use --zero 2"),
+    "lora-ga under fsdp": (
+        lambda c: c.train(init_lora_weights="lora-ga", backend="fsdp"),
+        "--init-lora-weights lora-ga runs the base over the run's first micro-batches before the adapter goes in; this backend",
+    ),
+    "init batches without a data init": (
+        lambda c: c.train(init_batches=4, init_lora_weights="pissa"),
+        "--init-batches sizes the statistics pass of --init-lora-weights eva, corda or lora-ga; leave it out with "
+        "--init-lora-weights pissa",
+    ),
+    "corda on 4bit": (lambda c: c.train(init_lora_weights="corda", precision="4bit"), "(QPiSSA), which lora-tune doesn't do yet"),
     "pissa on 4bit": (lambda c: c.train(init_lora_weights="pissa", precision="4bit"), "(QPiSSA), which lora-tune doesn't do yet"),
     "pissa under zero-3": (lambda c: c.train(init_lora_weights="olora", zero=3), "use --backend fsdp (it decomposes each layer"),
     "pissa with dora": (lambda c: c.train(init_lora_weights="pissa", dora=True), "DoRA's magnitudes are norms of the residual"),

@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from lora_tune.errors import UserError
 from lora_tune.files import fsync_path, remove_tree, write_safetensors
-from lora_tune.models import inits
+from lora_tune.models import data_inits, inits
 from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.adapter_types.registry import is_lora
 from lora_tune.models.loading import checkpointing_on
@@ -132,15 +132,19 @@ def trained_sizes(config, cfg, targets: Targets) -> tuple[int, ...] | None:
     return tuple(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpointing: Checkpointing | None = None):
+def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpointing: Checkpointing | None = None, first_batches=None):
     """Wrap the base with trainable LoRA layers (fp32), checkpointing set up for peft.
 
     Returns the PeftModel; only LoRA (and DoRA magnitude) parameters require grad. `targets`:
     resolved before loading (from a meta skeleton); else resolved on `model`. `checkpointing`:
-    decided for this run (lora_tune.preflight); else the configuration's setting.
+    decided for this run (lora_tune.preflight); else the configuration's setting. `first_batches`:
+    a callable giving the run's first micro-batches (model inputs), for an init that learns from
+    them (lora_tune.models.data_inits), run on the plain base before the adapter goes in.
     """
     targets = targets or resolve_targets(model, cfg)
     wanted = targets.weights(model)
+    if data_inits.needs_data(cfg.init_lora_weights):
+        data_inits.statistics_pass(model, cfg.init_lora_weights, lora_config(cfg, targets), first_batches())
     checkpointing = checkpointing or Checkpointing.of(cfg)
     if checkpointing.enabled:
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))

@@ -1,9 +1,9 @@
 """LoRA's initial values (--init-lora-weights), layer by layer with peft's own per-layer inits, and
 what the inits that change the base mean for saving and loading.
 
-PiSSA and OLoRA move the weight's principal part into the adapter (A0, B0) and leave the residual
-W - s B0 A0 in the base. Trained, such an adapter only works on that residual base, so lora-tune
-writes it converted into a plain LoRA of the original base, as peft's
+PiSSA and OLoRA (CorDA, LoRA-GA too: lora_tune.models.data_inits) move part of the weight into the
+adapter (A0, B0) and leave the residual W - s B0 A0 in the base. Trained, such an adapter only works
+on that residual base, so lora-tune writes it converted into a plain LoRA of the original base, as peft's
 `save_pretrained(path_initial_model_for_weight_conversion=...)` does: W + s (BA - B0 A0) is the
 rank-2r LoRA [A; A0], [B, -B0] (alpha doubled, so the scale is the same). Merge, vLLM, GGUF, check-serving
 and `PeftModel.from_pretrained(original base)` then take it as any LoRA. Checkpoints hold the same
@@ -18,10 +18,11 @@ import copy
 import torch
 
 from lora_tune.errors import UserError
+from lora_tune.models import data_inits
 from lora_tune.models.targets import lora_layers
 
 # Inits that leave a residual base (prefixes: pissa_niter_N is PiSSA).
-CHANGES_BASE = ("pissa", "olora")
+CHANGES_BASE = ("pissa", "olora", "corda", "lora_ga")
 
 
 def changes_base(init: str | None) -> bool:
@@ -41,6 +42,8 @@ def initialise(layer, init: str | None) -> None:
         layer.pissa_init("default", init)
     elif init == "olora":
         layer.olora_init("default")
+    elif data_inits.needs_data(init):
+        data_inits.initialise(layer, init)
     else:
         raise ValueError(f"unknown LoRA init {init}")
     for part in (layer.lora_A["default"], layer.lora_B["default"]):
@@ -105,9 +108,34 @@ def own_form(state: dict[str, torch.Tensor], peft_model, where) -> dict[str, tor
     return own
 
 
-def check(cfg, needs_reference: bool) -> None:
-    """What an init can't be combined with, one line each, before loading."""
+INIT_BATCHES = 8  # --init-batches' default: micro-batches the statistics pass of eva / corda / lora_ga reads
+
+
+def init_batches(cfg) -> int:
+    return cfg.init_batches or INIT_BATCHES
+
+
+def check(cfg, needs_reference: bool, partitioned: bool = False, online: bool = False) -> None:
+    """What an init can't be combined with, one line each, before loading. `partitioned`: the backend
+    partitions or streams the base (ZeRO-3, FSDP2); `online`: the objective generates its own data."""
     init = cfg.init_lora_weights
+    if getattr(cfg, "init_batches", None) and not data_inits.needs_data(init):
+        given = f"--init-lora-weights {init}" if init else "the default init"
+        raise UserError(f"--init-batches sizes the statistics pass of --init-lora-weights eva, corda or lora-ga; leave it out with {given}")
+    if data_inits.needs_data(init):
+        what = f"--init-lora-weights {init.replace('_', '-')} runs the base over the run's first micro-batches before the adapter goes in"
+        if partitioned:
+            raise UserError(
+                f"{what}; this backend partitions or streams the base, so no rank holds a whole one to run: use --zero 2 "
+                "(or --zero 1), or pissa, which decomposes each layer as it streams in"
+            )
+        if online:
+            raise UserError(
+                f"{what}; --objective {cfg.objective} has prompts, not training sequences: start from an SFT run "
+                "(--init-adapter) or use pissa"
+            )
+        if cfg.init_adapter:
+            raise UserError(f"{what}; --init-adapter starts from that adapter's values instead: leave out one of them")
     if init == "orthogonal" and cfg.rank % 2:
         raise UserError(
             f"--init-lora-weights orthogonal splits the rank into two halves (so that B A = 0): pass an even --rank, not {cfg.rank}"

@@ -45,19 +45,13 @@ class ModelOptions(Options):
 ADAPTER_SHAPE = fixed("holds adapter tensors (and their optimizer state) of that shape", from_checkpoint=False)
 
 
-# peft's init_lora_weights values (lora_tune.models.inits runs them). Those that need a statistics
-# pass over the run's first batches before the adapter goes in are refused, each saying why.
+# peft's init_lora_weights values (lora_tune.models.inits runs them; eva, corda and lora_ga after a
+# statistics pass over the run's first micro-batches: lora_tune.models.data_inits).
 LORA_INITS = ("gaussian", "orthogonal", "pissa", "pissa_niter_N", "olora", "eva", "corda", "loftq", "lora_ga")
-NOT_WIRED = "; lora-tune's engines don't run that pass yet. Use pissa (data-free, keeps the base's function) or leave it out"
 INIT_REFUSED = {
-    "eva": "EVA sets A from an SVD of each layer's inputs over the first batches and redistributes the ranks across layers "
-    "(peft's initialize_lora_eva_weights)" + NOT_WIRED,
-    "corda": "CorDA decomposes each weight with the covariance of its inputs over the first batches (peft's preprocess_corda)" + NOT_WIRED,
-    "lora_ga": "LoRA-GA starts from the gradients of the full base weights over the first batches (peft's preprocess_loraga: "
-    "a full fine-tune's gradient memory)" + NOT_WIRED,
-    "loftq": "LoftQ re-quantizes the base against the full-precision weights it reads from the checkpoint (peft's "
-    "replace_lora_weights_loftq), which lora-tune's quantized loading paths don't run yet. Use pissa on a bf16 base, or leave "
-    "it out",
+    "loftq": "peft's LoftQ quantizes each weight on a CUDA (or XPU) device it names itself (peft.utils.loftq_utils), so it "
+    "can't run where lora-tune is tested, and lora-tune ships nothing it hasn't run. Use pissa on a bf16 base (or eva on a "
+    "4-bit one), or leave it out",
 }
 
 
@@ -105,13 +99,22 @@ class LoraOptions(Options):
     )
     init_lora_weights: str | None = Field(
         None,
-        json_schema_extra=fixed("started from that init (PiSSA/OLoRA: training the residual base it left)"),
+        json_schema_extra=fixed("started from that init (PiSSA, OLoRA, CorDA, LoRA-GA: training the residual base it left)"),
         description="LoRA's initial values, peft's names: gaussian (A ~ N(0, 1/r)), orthogonal (A, B with BA = 0; even rank), "
         "pissa (A, B from the weight's top r singular vectors, the base keeps the residual), pissa_niter_N (the same by N "
         "subspace iterations: fast), olora (from a QR of the weight; residual base). Every one keeps the base's function at "
         "step 0. PiSSA/OLoRA adapters are written converted to a plain LoRA of the original base (rank 2r, peft's "
-        "path_initial_model_for_weight_conversion). eva, corda, lora-ga and loftq are refused, saying why. Default: peft's "
-        "(Kaiming A, zero B). LoRA only.",
+        "path_initial_model_for_weight_conversion). From the run's first --init-batches micro-batches: eva (A from an SVD of "
+        "each layer's inputs, B = 0; every layer keeps --rank), corda (the weight decomposed with its inputs' covariance; "
+        "residual base, converted), lora-ga (A, B from an SVD of each weight's gradient of the run's loss; residual base, "
+        "converted). loftq is refused, saying why. Default: peft's (Kaiming A, zero B). LoRA only.",
+    )
+    init_batches: int | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=fixed("started from an init computed over that many micro-batches"),
+        description="--init-lora-weights eva, corda, lora-ga: how many of the run's first micro-batches the statistics pass "
+        "reads (default 8; peft's examples use a few hundred sequences: more is steadier and slower).",
     )
     rank_pattern: list[str] | None = Field(
         None,

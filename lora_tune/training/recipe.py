@@ -14,8 +14,10 @@ from pathlib import Path
 
 import yaml
 
+from lora_tune.data.batching import collate
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
+from lora_tune.models import inits
 from lora_tune.models.adapter import add_lora
 from lora_tune.models.tiled_mlp import tile_mlps
 from lora_tune.training import checkpoint as ckpt
@@ -54,7 +56,7 @@ class Recipe:
         def loss_module(base):  # what the engine trains: the base with the adapter, inside the objective's loss
             if inputs.mlp_tiles:  # before the adapter: names don't change, LoRA goes into the tiled MLPs' linears
                 tile_mlps(base, inputs.mlp_tiles)
-            peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing)
+            peft_model = add_lora(base, cfg, inputs.base_id, inputs.targets, inputs.checkpointing, lambda: first_batches(inputs))
             loss = inputs.objective.loss_module(peft_model, inputs.levers.loss_chunk_size, cfg)
             if sequence_group:  # the objectives that take it (lora_tune.preflight refuses the others)
                 loss.sequence_group = sequence_group
@@ -108,6 +110,19 @@ class Recipe:
             self.metrics.close()
         if self.lock:
             self.lock.release()
+
+
+def first_batches(inputs: RunInputs) -> list[dict]:
+    """The run's first --init-batches micro-batches as model inputs, one sequence a row with its
+    attention mask and labels: what an init that learns from the data reads (lora_tune.models.data_inits)."""
+    tokenizer, samples = inputs.tokenizer, inputs.data.train
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    count = min(inits.init_batches(inputs.cfg), len(inputs.batches))
+    batches = []
+    for j in range(count):
+        rows = [[samples[i] for i in row] for row in inputs.batches.rows(j)]
+        batches.append(collate(rows, pad_id, False, image_text=inputs.image_text, blank_image=False).inputs)
+    return batches
 
 
 def run(inputs: RunInputs, on_metrics=None) -> None:

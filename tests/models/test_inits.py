@@ -4,16 +4,20 @@ loaded with stock peft on the original base, it computes what training ended wit
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 import yaml
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import EvaConfig, LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, initialize_lora_eva_weights
+from peft.tuners.lora.config import CordaConfig
+from peft.tuners.lora.corda import preprocess_corda
 from transformers import AutoModelForCausalLM
 
 from lora_tune.cli import main
 from lora_tune.config import TrainConfig
+from lora_tune.data.batching import collate
 from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
 from lora_tune.models import inits
@@ -22,7 +26,8 @@ from lora_tune.models.loading import load_base_model, load_tokenizer
 
 from helpers import ALPACA, adapter_tensors, assert_bit_identical, fast_train_args, read_metrics, run_cli, step_losses, write_jsonl
 
-INITS = ["gaussian", "orthogonal", "pissa", "pissa_niter_4", "olora"]
+# eva, corda, lora_ga: from a statistics pass over the run's first micro-batches (lora_tune.models.data_inits).
+INITS = ["gaussian", "orthogonal", "pissa", "pissa_niter_4", "olora", "eva", "corda", "lora_ga"]
 RUN = dict(max_steps=3, eval_split=0.25, eval_steps=3, lr=2e-2)
 
 
@@ -57,7 +62,7 @@ def eval_loss(model, run) -> float:
     return total / count
 
 
-@pytest.mark.parametrize("init", ["pissa", "olora", "orthogonal"])
+@pytest.mark.parametrize("init", ["pissa", "olora", "orthogonal", "eva", "corda", "lora_ga"])
 def test_the_merged_folder_and_peft_on_the_original_base_compute_the_runs_last_eval_loss(init, runs, tiny_model, tmp_path, capsys):
     run = runs["root"] / init
     last = [r["eval_loss"] for r in read_metrics(run) if "eval_loss" in r][-1]
@@ -96,10 +101,11 @@ def test_the_conversion_is_peft_own(tiny_model, tmp_path):
     assert (config.r, config.lora_alpha, config.init_lora_weights) == (written["r"], written["lora_alpha"], written["init_lora_weights"])
 
 
-def test_a_pissa_run_resumes_exactly_from_its_converted_checkpoint(runs, tiny_model, tmp_path, capsys):
-    """The checkpoint holds the converted adapter; the resume recomputes the residual base and reads
-    the trained half back: 4 steps straight = 2 steps, then 2 more."""
-    args = dict(max_steps=4, save_steps=2, lr=2e-2, init_lora_weights="pissa_niter_2", dropout=0.1, lr_scheduler="constant")
+@pytest.mark.parametrize("init", ["pissa_niter_2", "corda"])
+def test_a_run_with_a_residual_base_resumes_exactly_from_its_converted_checkpoint(init, runs, tiny_model, tmp_path, capsys):
+    """The checkpoint holds the converted adapter; the resume recomputes the residual base (CorDA: from the
+    same first micro-batches) and reads the trained half back: 4 steps straight = 2 steps, then 2 more."""
+    args = dict(max_steps=4, save_steps=2, lr=2e-2, init_lora_weights=init, dropout=0.1, lr_scheduler="constant")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     code, _, err = run_cli(fast_train_args(tiny_model, runs["data"], straight, **args), capsys)
     assert code == 0, err
@@ -124,3 +130,55 @@ def test_a_converted_adapter_from_another_start_is_refused_in_one_line(runs, tin
     saved[key][-1] += 1  # a row of A0 that is not this init's
     with pytest.raises(UserError, match=f"{key} did not start from this run's initial adapter"):
         inits.own_form(saved, peft_model, path)
+
+
+def first_batches(model_dir, data, count=3) -> list[dict]:
+    """A few micro-batches of the tiny data as the recipe hands them to a statistics pass."""
+    tokenizer = load_tokenizer(str(model_dir))
+    samples = prepare_data(TrainConfig(base=str(model_dir), data=[str(data)], output_dir="unused"), tokenizer).train
+    return [collate([[samples[i]], [samples[i + 1]]], tokenizer.pad_token_id, False).inputs for i in range(0, 2 * count, 2)]
+
+
+@pytest.mark.parametrize("init", ["eva", "corda"])
+def test_a_data_init_is_peft_own_on_the_same_batches(init, runs, tiny_model):
+    """EVA's A and CorDA's A, B and residual base are what peft's own flow computes over the same
+    micro-batches (EVA: get_peft_model + initialize_lora_eva_weights with rho 1; CorDA: preprocess_corda
+    + get_peft_model)."""
+    batches = first_batches(tiny_model, runs["data"])
+    cfg = TrainConfig(base=str(tiny_model), data=[str(runs["data"])], output_dir="unused", rank=4, init_lora_weights=init, dropout=0.0)
+    ours = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, str(tiny_model), first_batches=lambda: batches)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    config = copy.deepcopy(ours.peft_config["default"])
+    config.init_lora_weights = init
+    if init == "eva":
+        config.eva_config = EvaConfig(rho=1.0)
+        theirs = get_peft_model(base, config)
+        initialize_lora_eva_weights(theirs, dataloader=batches, show_progress_bar=False)
+        compared = ["lora_A"]
+    else:
+        config.corda_config = CordaConfig(corda_method="ipm")
+
+        def run_model():
+            for batch in batches:
+                for ids, mask in zip(batch["input_ids"], batch["attention_mask"]):
+                    base(input_ids=ids[mask.bool()].unsqueeze(0))
+
+        preprocess_corda(base, config, run_model=run_model)
+        theirs = get_peft_model(base, config)
+        compared = ["lora_A", "lora_B", "base_layer"]
+    mine, peft_own = dict(ours.named_parameters()), dict(theirs.named_parameters())
+    names = [n for n in peft_own if any(part in n for part in compared) and "proj" in n]
+    assert len(names) >= 14
+    for name in names:
+        torch.testing.assert_close(mine[name], peft_own[name], rtol=1e-5, atol=1e-6, msg=name)
+    if init == "eva":  # A moved off the seeded Kaiming draw; B is still 0
+        assert all(not p.abs().sum() for n, p in mine.items() if "lora_B" in n)
+
+
+def test_a_data_init_is_refused_where_no_rank_holds_the_base_or_there_is_no_sequence(runs, tiny_model):
+    cfg = TrainConfig(base=str(tiny_model), data=[str(runs["data"])], output_dir="unused", init_lora_weights="eva")
+    with pytest.raises(UserError, match="no rank holds a whole one to run"):
+        inits.check(cfg, needs_reference=False, partitioned=True)
+    with pytest.raises(UserError, match="has prompts, not training sequences"):
+        inits.check(cfg, needs_reference=False, online=True)
+    inits.check(cfg, needs_reference=True)  # EVA keeps the base: a reference is the base as it was
