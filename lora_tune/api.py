@@ -102,7 +102,7 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
     cfg = _config(TrainConfig, config, options, "lora_tune.train()")
     _quiet(cfg)
     if (cfg.nproc or engines.spec_of(cfg).multi_process) and not ranks.launched():
-        if _finished(lambda: check_inputs(cfg)):  # once, before the ranks start: bad input is one UserError here
+        if _checked(lambda: check_inputs(cfg)) is None:  # once, before the ranks start: bad input is one UserError here
             return _result(Path(cfg.output_dir).expanduser())
         # The ranks are `lora-tune train --config FILE` processes: the resolved options, in a file.
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
@@ -114,24 +114,23 @@ def train(config: str | Path | dict | None = None, callback=None, **options) -> 
         if code != 0:
             raise TrainingStopped(f"the {cfg.nproc or 1}-process run ended with exit code {code} (its messages are above)", code, "error")
     else:
-        inputs = []
-        if _finished(lambda: inputs.append(check_inputs(cfg, functions, tools, environments))):
+        inputs = _checked(lambda: check_inputs(cfg, functions, tools, environments))
+        if inputs is None:
             return _result(Path(cfg.output_dir).expanduser())
-        recipe.run(replace(inputs[0], resume_how=RESUME_HOW), on_metrics=callback)
+        recipe.run(replace(inputs, resume_how=RESUME_HOW), on_metrics=callback)
     return _result(Path(cfg.output_dir).expanduser())
 
 
-def _finished(check) -> bool:
-    """Run the input check; True when it says the run is finished already (a resume with no step
-    left, lora_tune.training.run_folder.check_steps_left): said, and its result returned as it is."""
+def _checked(check):
+    """The input check's RunInputs, or None when it says the run is finished already (a resume with
+    no step left, lora_tune.training.run_folder.check_steps_left): said, its result returned as it is."""
     try:
-        check()
+        return check()
     except TrainingStopped as done:
         if done.exit_code != 0:
             raise
         logging.getLogger("lora_tune").info("%s: %s", done.label, done)
-        return True
-    return False
+        return None
 
 
 def _name(obj) -> str:

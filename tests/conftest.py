@@ -17,6 +17,7 @@ os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="lora-tune-te
 import datasets.utils.logging  # noqa: E402
 import pytest  # noqa: E402
 
+from lora_tune.models.adapter import peft_building  # noqa: E402
 from lora_tune.models.tiny.agent import build_tiny_agent  # noqa: E402
 from lora_tune.models.tiny.model import build_tiny_llama  # noqa: E402
 from lora_tune.training.generation import vllm_api as vllm  # noqa: E402
@@ -37,13 +38,8 @@ def compiler_variables_kept():
     code) gets $CC/$CXX set to gcc by peft and never put back; the later tests' C++ builds (Inductor's
     kernels, in this process and the ones it starts) would then fail. lora-tune's own calls keep them
     (tests/models/test_adapter_types.py checks inside the test, before this puts them back)."""
-    saved = {name: os.environ.get(name) for name in ("CC", "CXX")}
-    yield
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    with peft_building():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -230,8 +230,9 @@ def open_lock_file(path: Path, create: bool) -> int | None:
     return fd
 
 
-def lock_holder(output_dir: Path) -> str | None:
-    """Who holds the output folder's lock ("pid N on HOST since T"), or None. Writes nothing."""
+def read_lock(output_dir: Path) -> tuple[str, bool] | None:
+    """(the lock file's note, whether a live process holds the lock), or None where there is no lock
+    file or our own launcher holds it for this job. Writes nothing."""
     path = output_dir / LOCK_NAME
     if os.environ.get(LOCK_ENV) == str(path.resolve()):
         return None
@@ -239,26 +240,29 @@ def lock_holder(output_dir: Path) -> str | None:
     if fd is None:
         return None
     with os.fdopen(fd, "rb") as f:
+        note = f.read(200).decode("utf-8", errors="replace").strip()
         try:
             fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return f.read(200).decode("utf-8", errors="replace").strip() or "another process"
+            return note, True
         fcntl.flock(f, fcntl.LOCK_UN)
-    return None
+    return note, False
+
+
+def lock_holder(output_dir: Path) -> str | None:
+    """Who holds the output folder's lock ("pid N on HOST since T"), or None. Writes nothing."""
+    lock = read_lock(output_dir)
+    return (lock[0] or "another process") if lock and lock[1] else None
 
 
 def left_by_a_stopped_run(output_dir: Path) -> bool:
     """Whether the last run in OUTPUT_DIR ended without reaching its clean end (killed, or the
     machine lost): its lock note is still there and nobody holds the lock. In the ranks of a job
     whose launcher holds the lock, the launcher already asked before starting them: True."""
-    path = output_dir / LOCK_NAME
-    if os.environ.get(LOCK_ENV) == str(path.resolve()):
+    if os.environ.get(LOCK_ENV) == str((output_dir / LOCK_NAME).resolve()):
         return True
-    fd = open_lock_file(path, create=False)
-    if fd is None:
-        return False
-    with os.fdopen(fd, "rb") as f:
-        return bool(f.read(200).strip()) and lock_holder(output_dir) is None
+    lock = read_lock(output_dir)
+    return bool(lock and lock[0] and not lock[1])
 
 
 class OutputLock:
