@@ -104,7 +104,7 @@ def initialise(layer, init: str) -> None:
         if components is None:
             raise RuntimeError("EVA found no components for a LoRA layer; its inputs were not seen by the statistics pass")
         layer.reset_lora_parameters("default", init_lora_weights=True)  # B = 0: the base's function at step 0
-        layer.lora_A["default"].weight.data = components.to(layer.lora_A["default"].weight)
+        layer.lora_A["default"].weight.data = components.to(layer.lora_A["default"].weight).contiguous()  # DeepSpeed views it as bytes
         delattr(base_layer, EVA_FOUND)
     elif init == "corda":
         layer.corda_init("default", init)

@@ -52,7 +52,7 @@ CELL_IDS = [f"{c.backend}-{c.precision}-zero{c.zero}-{c.offload}" for c in SHARD
 RESUMED = {
     "zero3-bf16-offload": dict(zero=3, offload="cpu", precision="bf16", dropout=0.1, optim="adamw_8bit"),
     "zero3-4bit-offload": dict(zero=3, offload="cpu", precision="4bit", optim="adamw_8bit", lr=5e-2),
-    "zero2-8bit": dict(zero=2, precision="8bit", optim="adamw_8bit", lr=5e-2),
+    "zero2-8bit": dict(zero=2, precision="8bit", optim="adamw_8bit", lr=5e-2, init_lora_weights="eva"),  # EVA: each rank runs its pass
     "zero3-8bit-offload": dict(zero=3, offload="cpu", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     "fsdp-bf16": dict(backend="fsdp", precision="bf16", dropout=0.1, optim="adamw_8bit", lr=5e-2),
     "fsdp-4bit-offload": dict(backend="fsdp", offload="cpu", precision="4bit", optim="adamw_8bit", lr=5e-2),
