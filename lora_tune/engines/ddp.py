@@ -76,7 +76,8 @@ class DDPEngine:
     def prepare(self, model, total_steps: int) -> None:
         cfg = self.cfg
         self.model = model
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         # The frozen base and every buffer are each rank's own copy, loaded alike, and the LoRA weights
         # start alike (seeded by name): nothing is broadcast at start (init_sync) or before each
         # forward (broadcast_buffers), and only the weights that train have gradients to reduce.
@@ -93,7 +94,9 @@ class DDPEngine:
             find_unused_parameters=cfg.train_vision or any(EXPERT_MODULE.search(n) for n, p in model.named_parameters() if p.requires_grad),
             gradient_as_bucket_view=True,  # the gradients live in DDP's buckets: no second copy
         )
-        self.optimizer = common.build_optimizer(cfg.optim, self.params, cfg.lr, cfg.weight_decay)
+        # LoRA+ (--loraplus-lr-ratio): B's own group at R x lr, as on every backend.
+        groups = common.param_groups(named, cfg.lr, cfg.loraplus_lr_ratio)
+        self.optimizer = common.build_optimizer(cfg.optim, groups, cfg.lr, cfg.weight_decay)
         self.scheduler = common.build_scheduler(cfg, self.optimizer, total_steps)
         self.pending = 0
 

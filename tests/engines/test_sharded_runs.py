@@ -125,8 +125,12 @@ COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 2}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
 # Another adapter type (LoHa) under ZeRO-2, resumed from step 2 (the RESUMED pattern; its tensors are not LoRA pairs).
 TYPED = {"zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2)}
-# LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards and DeepSpeed's CPU Adam on offloaded states.
-LORAPLUS = {"fsdp-loraplus": dict(backend="fsdp"), "zero3-offload-loraplus": dict(zero=3, offload="cpu")}
+# LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards, DeepSpeed's CPU Adam on offloaded states, DDP.
+LORAPLUS = {
+    "fsdp-loraplus": dict(backend="fsdp"),
+    "zero3-offload-loraplus": dict(zero=3, offload="cpu"),
+    "ddp-loraplus": dict(backend="ddp"),  # DDP once built its optimizer without LoRA+'s groups: B moved at 1 x lr
+}
 EXACT = ("fsdp", "ddp")  # backends whose 2 ranks of one micro-batch each are one process to the bit
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
