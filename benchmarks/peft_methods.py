@@ -35,6 +35,9 @@ METHODS = {
     "dora": {"dora": True},
     "pissa_niter_4": {"init_lora_weights": "pissa_niter_4"},
     "olora": {"init_lora_weights": "olora"},
+    "eva": {"init_lora_weights": "eva"},
+    "corda": {"init_lora_weights": "corda"},
+    "lora-ga": {"init_lora_weights": "lora-ga"},
     "gaussian": {"init_lora_weights": "gaussian"},
     "oft": {"peft_type": "oft"},
     "boft": {"peft_type": "boft"},
@@ -93,8 +96,10 @@ cfg = json.loads(sys.argv[3])
 out = sys.argv[4]
 peft_config = PeftConfig.from_pretrained(cfg["adapter"])
 init = cfg["options"].get("init_lora_weights")
-if init in ("pissa_niter_4", "olora"):  # lora-tune writes them converted (rank 2r): the config as trained
-    peft_config.init_lora_weights, peft_config.r, peft_config.lora_alpha = init, peft_config.r // 2, peft_config.lora_alpha // 2
+if init in ("pissa_niter_4", "olora", "corda", "lora-ga"):  # lora-tune writes them converted (rank 2r): the config as trained
+    peft_config.r, peft_config.lora_alpha = peft_config.r // 2, peft_config.lora_alpha // 2
+if init:
+    peft_config.init_lora_weights = init.replace("-", "_")
 peft_config.inference_mode = False
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 rows = [json.loads(line) for line in open(sys.argv[2])]
@@ -103,15 +108,37 @@ random.Random(42).shuffle(texts)
 held = len(texts) // 4
 encode = lambda t: tok(t + tok.eos_token, truncation=True, max_length=cfg["seq"])  # noqa: E731
 train, evaluation = Dataset.from_list([encode(t) for t in texts[held:]]), Dataset.from_list([encode(t) for t in texts[:held]])
+collator = DataCollatorForLanguageModeling(tok, mlm=False)
+first = [dict(collator([train[i] for i in range(j, j + 4)])) for j in range(0, 32, 4)]  # 8 micro-batches, as lora-tune's --init-batches
 torch.manual_seed(42)
-model = get_peft_model(AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), peft_config)
+base = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+if init == "corda":  # peft's flow: covariance hooks (one sequence at a time), then the adapter
+    from peft.tuners.lora.config import CordaConfig
+    from peft.tuners.lora.corda import preprocess_corda
+    peft_config.corda_config = CordaConfig(corda_method="ipm")
+    def run_model():
+        with torch.no_grad():
+            for b in first:
+                for ids, mask in zip(b["input_ids"], b["attention_mask"]):
+                    base(input_ids=ids[mask.bool()].unsqueeze(0))
+    preprocess_corda(base, peft_config, run_model=run_model)
+if init == "lora-ga":
+    from peft import LoraGAConfig, preprocess_loraga
+    peft_config.lora_ga_config = LoraGAConfig()
+    preprocess_loraga(base, peft_config, train_step=lambda: [base(**b).loss.backward() for b in first])
+if init == "eva":
+    from peft import EvaConfig
+    peft_config.eva_config = EvaConfig(rho=1.0)
+model = get_peft_model(base, peft_config)
+if init == "eva":
+    from peft import initialize_lora_eva_weights
+    initialize_lora_eva_weights(model, dataloader=first, show_progress_bar=False)
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 args = TrainingArguments(output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4, learning_rate=cfg["lr"],
                          max_steps=cfg["steps"], lr_scheduler_type="cosine", logging_steps=1, save_strategy="no", report_to="none",
                          seed=42, disable_tqdm=True, use_cpu=True, optim="adamw_torch", max_grad_norm=1.0)
 ratio = cfg["options"].get("loraplus_lr_ratio")
 optimizers = (create_loraplus_optimizer(model, torch.optim.AdamW, lr=cfg["lr"], loraplus_lr_ratio=ratio), None) if ratio else (None, None)
-collator = DataCollatorForLanguageModeling(tok, mlm=False)
 trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation, data_collator=collator, optimizers=optimizers)
 times = []
 class StepTimes(TrainerCallback):
@@ -136,11 +163,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--tiny", action="store_true", help="a 2-layer model, 3 steps, three methods (for the test suite)")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a 2-layer model, 3 steps, 3 methods (for the test suite; corda: peft's flow on the HF side)"
+    )
     parser.add_argument("--methods", nargs="+", default=None, choices=list(METHODS))
     args = parser.parse_args()
     shape, steps, seq = ("tiny", 3, 128) if args.tiny else ("tiny4", args.steps, 256)
-    methods = args.methods or (["lora", "pissa_niter_4", "oft"] if args.tiny else list(METHODS))
+    methods = args.methods or (["lora", "corda", "oft"] if args.tiny else list(METHODS))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="peft-methods-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = long_tail_rows(64 if args.tiny else 256, seed=0, equal_length=False)

@@ -163,7 +163,7 @@ def test_peft_methods_runs_each_method_against_hf_trainer_on_a_tiny_shape(tmp_pa
     proc = run_tiny("peft_methods.py", tmp_path)
     rows = [line.split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ") and "route" not in line]
     assert [(r[0].removeprefix("| "), r[1]) for r in rows] == [
-        (method, route) for method in ("lora", "pissa_niter_4", "oft") for route in ("lora-tune", "HF Trainer + PEFT")
+        (method, route) for method in ("lora", "corda", "oft") for route in ("lora-tune", "HF Trainer + PEFT")
     ]
     for ours, theirs in zip(rows[::2], rows[1::2]):
         assert ours[2] == theirs[2] and int(ours[2].replace(",", "")) > 0  # the same peft config: the same trainable parameters
