@@ -248,7 +248,14 @@ BAD_INPUT = {
         lambda c: c.train(peft_type="loha", precision="4bit"),
         "--peft-type loha: peft has no bitsandbytes layers for loha, so it can't adapt a 4bit base",
     ),
-    "type under fsdp": (lambda c: c.train(peft_type="oft", backend="fsdp"), "--peft-type oft: this backend streams or partitions the base"),
+    "type under fsdp": (
+        lambda c: c.train(peft_type="vera", backend="fsdp"),
+        "--peft-type vera: this backend streams the base in and fills each layer's adapter there, and a vera layer can't be",
+    ),
+    "type under zero-3": (
+        lambda c: c.train(peft_type="loha", zero=3),
+        "--peft-type loha: peft sizes a loha adapter from each base weight's shape, and ZeRO-3 has partitioned the base",
+    ),
     "loraplus ratio 0": (
         lambda c: c.train(loraplus_lr_ratio=0),
         "--loraplus-lr-ratio: must be > 0 (got 0.0); the LoRA+ paper uses 16; leave it out for plain LoRA",

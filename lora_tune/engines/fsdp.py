@@ -104,7 +104,7 @@ class FSDPEngine:
         )
         model = add_adapter(skeleton)
         policies = self._policies()
-        seed, init = model.peft_model.lora_tune_seed, model.peft_model.lora_tune_init
+        seed, init, reset = model.peft_model.lora_tune_seed, model.peft_model.lora_tune_init, model.peft_model.lora_tune_reset
         # Offloaded shards live on the host; the layers are still filled (and quantized) on the device.
         layerwise.load_layer_by_layer(
             model,
@@ -115,9 +115,9 @@ class FSDPEngine:
             # root comes last as the wrapper itself: its LoRA layers (an image-text model's vision
             # tower under --train-vision) are named from the peft model inside it.
             init_adapter=lambda unit, name: (
-                materialize_lora(unit.peft_model, "", seed, self.device, init)
+                materialize_lora(unit.peft_model, "", seed, self.device, init, reset)
                 if unit is model
-                else materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device, init)
+                else materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device, init, reset)
             ),
             partition=lambda layer: fully_shard(layer, **policies),
             partition_root=lambda root: fully_shard(root, **policies),

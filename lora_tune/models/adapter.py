@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -149,7 +151,7 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     if checkpointing.enabled:
         enable_checkpointing(model, checkpointing, getattr(cfg, "activation_offload", False))
     if not is_lora(cfg):  # another type (lora_tune.models.adapter_types): peft initialises it from the run's seed, alike on every rank
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # (and a type that can be filled layer by layer is drawn again per layer below)
     with peft_building():
         peft_model = get_peft_model(model, peft_config(cfg, targets, model.config.model_type))
     if is_lora(cfg):
@@ -161,9 +163,14 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed
     peft_model.lora_tune_init = cfg.init_lora_weights
+    peft_model.lora_tune_reset = adapter_types.reset_of(cfg)  # another type's per-layer init, for layer-by-layer loading
     for name, layer in lora_layers(peft_model):
         if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.models.layerwise)
             init_lora_layer(layer, name, cfg.seed, cfg.init_lora_weights)
+    reset = adapter_types.reset_of(cfg)
+    for name, layer in tuner_layers(peft_model) if reset else ():
+        if not any(p.device.type == "meta" for _, p in adapter_tensors(layer)):  # as layer-by-layer loading draws them
+            reset_tuner_layer(layer, name, cfg.seed, reset)
     to_fp32(peft_model)
     torch.manual_seed(cfg.seed)  # dropout draws from here: part of the seeded math
     return peft_model
@@ -193,15 +200,60 @@ def init_lora_layer(layer, name: str, seed: int, init: str | None = None) -> Non
         variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight
 
 
-def materialize_lora(unit, unit_name: str, seed: int, device: torch.device, init: str | None = None) -> None:
-    """Give the meta LoRA layers inside `unit` real, seeded values on `device` (layer-by-layer loading:
-    an init that decomposes the weight does so on this one filled layer)."""
+def materialize_lora(unit, unit_name: str, seed: int, device: torch.device, init: str | None = None, reset=None) -> None:
+    """Give the meta adapter layers inside `unit` real, seeded values on `device` (layer-by-layer loading:
+    an init that decomposes the weight does so on this one filled layer). LoRA layers by `init`; another
+    type's by its `reset` (lora_tune.models.adapter_types)."""
     for name, layer in lora_layers(unit, unit_name):
         if is_meta(layer):
             for part in (layer.lora_A, layer.lora_B):
                 part.to_empty(device=device)
             init_lora_layer(layer, name, seed, init)
             to_fp32(layer)
+    if reset is None:
+        return
+    for name, layer in tuner_layers(unit, unit_name):
+        if any(p.device.type == "meta" for p in layer.parameters(recurse=False)) or any(
+            p.device.type == "meta" for _, p in adapter_tensors(layer)
+        ):
+            for container_name in layer.adapter_layer_names:
+                container = getattr(layer, container_name)
+                if "default" not in container:
+                    continue
+                item = container["default"]
+                if isinstance(item, torch.nn.Parameter):
+                    container["default"] = torch.nn.Parameter(torch.empty_like(item, device=device))
+                else:
+                    item.to_empty(device=device)
+            reset_tuner_layer(layer, name, seed, reset)
+            for _, p in adapter_tensors(layer):
+                p.data = p.data.to(device)
+            to_fp32(layer)
+
+
+def tuner_layers(module, prefix: str = ""):
+    """(full name, layer) of every adapter layer of another --peft-type inside `module`."""
+    for name, m in module.named_modules(prefix=prefix):
+        if isinstance(m, BaseTunerLayer) and not isinstance(m, LoraLayer):
+            yield name, m
+
+
+def adapter_tensors(layer):
+    """(container, tensor) of a tuner layer's own adapter weights (its `adapter_layer_names`)."""
+    for container_name in layer.adapter_layer_names:
+        container = getattr(layer, container_name)
+        if "default" in container:
+            item = container["default"]
+            for p in [item] if isinstance(item, torch.nn.Parameter) else item.parameters():
+                yield container_name, p
+
+
+def reset_tuner_layer(layer, name: str, seed: int, reset) -> None:
+    """Another type's layer at peft's default init, from a generator seeded by the run's seed and the
+    layer's name: the same values whichever process fills it (as LoRA's, `init_lora_layer`)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        reset(layer)
 
 
 def trainable_state_dict(peft_model, state_dict: dict | None = None) -> dict[str, torch.Tensor]:

@@ -65,8 +65,8 @@ class LoraOptions(Options):
         json_schema_extra=ADAPTER_SHAPE,
         description="peft's adapter type: lora (default), oft, boft, loha, lokr, vera, ia3, miss, hra (adalora is refused, "
         "saying why). --rank/--alpha/--dropout go to the type's own knobs (OFT/BOFT: block size; IA3: none), an unused one "
-        "said once; LoRA-only options are refused with another type. One process or ZeRO-1/2; merged through peft; vLLM and "
-        "llama.cpp serve LoRA only (merge first).",
+        "said once; LoRA-only options are refused with another type. One process, ZeRO-1/2, and FSDP2 for loha, lokr, ia3, miss, "
+        "hra; merged through peft; vLLM and llama.cpp serve LoRA only (merge first).",
     )
     rank: int = Field(
         16,

@@ -11,10 +11,16 @@ class AdapterType:
     """A peft adapter type: its name (peft's, lower case), the peft config it builds from the run's
     options and targets (`build(cfg, modules, model_type)`), which of --rank / --alpha / --dropout
     it maps to which of its own knobs (None: it has none, the option is ignored and said so), and
-    whether peft ships bitsandbytes layers for it (an 8/4-bit base)."""
+    whether peft ships bitsandbytes layers for it (an 8/4-bit base). `reset(layer)`: peft's own
+    per-layer init of the type's default (init_weights=True) on one tuner layer, run from a generator
+    seeded by the layer's name, so a layer filled where it is loaded (FSDP2 streams the base in) starts
+    as on one process; None where a layer can't be filled alone (VeRA's projections are shared by
+    every layer; BOFT's butterfly permutations are computed on real values; OFT's rotation modules keep
+    index buffers that layer-by-layer loading can't rebuild)."""
 
     name: str
     build: Callable
     knobs: dict[str, str | None]
     quantized: bool = False
     refusal: str | None = None  # why lora-tune doesn't train it yet
+    reset: Callable | None = None

@@ -8,4 +8,5 @@ TYPE = AdapterType(
     "hra",
     lambda cfg, modules, model_type: HRAConfig(r=cfg.rank, target_modules=modules),
     {"rank": "r", "alpha": None, "dropout": None},
+    reset=lambda layer: layer.reset_hra_parameters("default"),
 )

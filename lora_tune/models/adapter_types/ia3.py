@@ -13,4 +13,6 @@ def build(cfg, modules, model_type):
     return IA3Config(target_modules=modules, feedforward_modules=[m for m in feedforward if m in names])
 
 
-TYPE = AdapterType("ia3", build, {"rank": None, "alpha": None, "dropout": None}, quantized=True)
+TYPE = AdapterType(
+    "ia3", build, {"rank": None, "alpha": None, "dropout": None}, quantized=True, reset=lambda layer: layer.reset_ia3_parameters("default")
+)

@@ -8,4 +8,5 @@ TYPE = AdapterType(
     "miss",
     lambda cfg, modules, model_type: MissConfig(r=cfg.rank, miss_dropout=cfg.dropout, target_modules=modules),
     {"rank": "r", "alpha": None, "dropout": "miss_dropout"},
+    reset=lambda layer: layer.reset_miss_parameters("default", layer.miss_r["default"]),
 )

@@ -30,8 +30,8 @@ def is_lora(cfg) -> bool:
 
 def check(cfg, partitioned: bool) -> None:
     """Before loading: a type lora-tune doesn't train, LoRA-only options with another type, a
-    quantized base peft has no layers for, a backend that partitions the base first (ZeRO-3, FSDP2), each one
-    line; the options the type has no knob for are said once."""
+    quantized base peft has no layers for, a backend that partitions the base first (ZeRO-3) or streams it in
+    (FSDP2) where the type can't be built there, each one line; the options the type has no knob for are said once."""
     if is_lora(cfg):
         return
     kind = TYPES[cfg.peft_type]
@@ -45,10 +45,16 @@ def check(cfg, partitioned: bool) -> None:
         raise UserError(
             f"{flag}: peft has no bitsandbytes layers for {cfg.peft_type}, so it can't adapt a {cfg.precision} base: use --precision bf16"
         )
-    if partitioned:
+    if partitioned and cfg.zero == 3:
         raise UserError(
-            f"{flag}: this backend streams or partitions the base before the adapter goes in and fills each layer's adapter "
-            "there, which lora-tune does for LoRA only so far: use --zero 1 or --zero 2 (or --peft-type lora)"
+            f"{flag}: peft sizes a {cfg.peft_type} adapter from each base weight's shape, and ZeRO-3 has partitioned the base "
+            "before the adapter goes in (every rank sees empty weights): use --backend fsdp (it fills each layer's adapter as "
+            "the base streams in) or --zero 2"
+        )
+    if partitioned and kind.reset is None:
+        raise UserError(
+            f"{flag}: this backend streams the base in and fills each layer's adapter there, and a {cfg.peft_type} layer can't be "
+            "filled alone (its adapter depends on the others' or on real values): use --zero 1 or --zero 2"
         )
     ignored = [f"--{option}" for option, knob in kind.knobs.items() if knob is None]
     if ignored:
@@ -56,6 +62,12 @@ def check(cfg, partitioned: bool) -> None:
     mapped = ", ".join(f"--{option} -> {knob}" for option, knob in kind.knobs.items() if knob)
     if mapped:
         log.info("%s: %s", flag, mapped)
+
+
+def reset_of(cfg):
+    """The per-layer init of the run's type (None for LoRA, whose inits lora_tune.models.inits runs, and
+    for a type whose layers can't be filled alone)."""
+    return None if is_lora(cfg) else TYPES[cfg.peft_type].reset
 
 
 def peft_config(cfg, modules, model_type: str):
