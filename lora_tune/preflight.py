@@ -110,16 +110,23 @@ def check_rewards_unchanged(cfg: TrainConfig, rewards, saved_state: dict | None)
     return {**saved_state, "config_changes": [*saved_state.get("config_changes", []), change]}
 
 
-def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
-    """Padded tokens per forward + backward pass when a micro-batch runs in several (a CPU, one process,
-    data on disk: lora_tune.data.batching.passes), else None. The sharding backends count micro-steps
-    themselves, and online objectives build their own batches."""
+def check_adapter(cfg: TrainConfig) -> None:
+    """The adapter (--peft-type, --init-lora-weights) against the precision, backend and objective: one
+    line where they can't go together (also what the compatibility matrix's adapter table shows)."""
     objective = objectives.of(cfg)
     spec = engines.spec_of(cfg)
     partitioned = cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero)
     adapter_types.check(cfg, partitioned=partitioned)
     needs_reference = objective.reference or bool(objective.online and cfg.beta)
     inits.check(cfg, needs_reference=needs_reference, partitioned=partitioned, online=objective.online)
+
+
+def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:
+    """Padded tokens per forward + backward pass when a micro-batch runs in several (a CPU, one process,
+    data on disk: lora_tune.data.batching.passes), else None. The sharding backends count micro-steps
+    themselves, and online objectives build their own batches."""
+    objective = objectives.of(cfg)
+    check_adapter(cfg)
     row = cfg.max_seq_len * objective.sequences_per_unit
     tokens = max(PASS_TOKENS, row)
     if device.type != "cpu" or engines.spec_of(cfg).multi_process or objective.online or cfg.micro_batch_size * row <= tokens:

@@ -142,7 +142,7 @@ def check(cfg, needs_reference: bool, partitioned: bool = False, online: bool = 
         )
     if not changes_base(init):
         return
-    what = f"--init-lora-weights {init} moves each weight's principal part into the adapter and trains the residual base"
+    what = f"--init-lora-weights {init.replace('_', '-')} moves part of each weight into the adapter and trains the residual base"
     if cfg.precision in ("8bit", "4bit"):
         raise UserError(
             f"{what}; on a {cfg.precision} base that means decomposing the dequantized weight and re-quantizing the residual "

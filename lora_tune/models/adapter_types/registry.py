@@ -48,8 +48,8 @@ def check(cfg, partitioned: bool) -> None:
     if partitioned and cfg.zero == 3:
         raise UserError(
             f"{flag}: peft sizes a {cfg.peft_type} adapter from each base weight's shape, and ZeRO-3 has partitioned the base "
-            "before the adapter goes in (every rank sees empty weights): use --backend fsdp (it fills each layer's adapter as "
-            "the base streams in) or --zero 2"
+            "before the adapter goes in (every rank sees empty weights): "
+            + ("use --backend fsdp (it fills each layer's adapter as the base streams in) or --zero 2" if kind.reset else "use --zero 2")
         )
     if partitioned and kind.reset is None:
         raise UserError(
