@@ -215,7 +215,6 @@ BAD_INPUT = {
     ),
     "corda on 4bit": (lambda c: c.train(init_lora_weights="corda", precision="4bit"), "(QPiSSA), which lora-tune doesn't do yet"),
     "pissa on 4bit": (lambda c: c.train(init_lora_weights="pissa", precision="4bit"), "(QPiSSA), which lora-tune doesn't do yet"),
-    "pissa under zero-3": (lambda c: c.train(init_lora_weights="olora", zero=3), "use --backend fsdp (it decomposes each layer"),
     "pissa with dora": (lambda c: c.train(init_lora_weights="pissa", dora=True), "DoRA's magnitudes are norms of the residual"),
     "pissa with a reference": (
         lambda c: c.train(c.pairs, init_lora_weights="pissa", objective="dpo"),

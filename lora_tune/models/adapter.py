@@ -3,6 +3,7 @@ checkpointing set up for them; write them out in peft's layout and read them bac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.integrations import gather_params_ctx
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -192,9 +194,18 @@ def init_lora_layer(layer, name: str, seed: int, init: str | None = None) -> Non
     seed and the layer's name. The same values come out whichever order or process initialises the
     layers, so every backend starts from the same adapter, also when the base is filled layer by layer
     before being sharded, and a resume recomputes the same (PiSSA: the same residual base)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        inits.initialise(layer, init)
+    # An init that reads or rewrites the base weight sees it whole: under ZeRO-3 the layer's weight is
+    # gathered for it (this one layer at a time) and rank 0's result partitioned again (peft's
+    # gather_params_ctx; every rank computes the same, seeded). Elsewhere the context does nothing.
+    base_weight = layer.get_base_layer().weight
+    with gather_params_ctx(base_weight, modifier_rank=0) if inits.reads_base(init) else contextlib.nullcontext():
+        storage = base_weight.data
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+            inits.initialise(layer, init)
+        if base_weight.data is not storage:  # peft assigns the residual as a new tensor: back into the weight's own storage,
+            storage.copy_(base_weight.data)  # which ZeRO-3 partitions and frees again (a new one would stay whole on every rank)
+            base_weight.data = storage
     variant = getattr(layer, "lora_variant", {}).get("default")
     if variant is not None and any(p.device.type == "meta" for p in layer.lora_magnitude_vector.parameters()):
         variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight

@@ -29,6 +29,11 @@ def changes_base(init: str | None) -> bool:
     return init is not None and init.startswith(CHANGES_BASE)
 
 
+def reads_base(init: str | None) -> bool:
+    """The init reads the base weight (and, changing it, writes it back): DoRA's magnitudes aside, the others draw A and B alone."""
+    return changes_base(init)
+
+
 def initialise(layer, init: str | None) -> None:
     """One LoRA layer's initial values by peft's per-layer init `init` (None: peft's default, Kaiming A
     and zero B), drawn from the caller's seeded generator. An init that changes the base keeps its
@@ -147,12 +152,6 @@ def check(cfg, needs_reference: bool, partitioned: bool = False, online: bool = 
         raise UserError(
             f"{what}; on a {cfg.precision} base that means decomposing the dequantized weight and re-quantizing the residual "
             "(QPiSSA), which lora-tune doesn't do yet: use --precision bf16"
-        )
-    if cfg.zero == 3:
-        raise UserError(
-            f"{what}; ZeRO-3 partitions the base before the adapter goes in, so every layer would be gathered, decomposed and "
-            "partitioned again, which lora-tune doesn't do yet: use --backend fsdp (it decomposes each layer as it streams in) "
-            "or --zero 2"
         )
     if cfg.dora:
         raise UserError(

@@ -50,7 +50,8 @@ CELL_IDS = [f"{c.backend}-{c.precision}-zero{c.zero}-{c.offload}" for c in SHARD
 # Train 4 steps with a checkpoint at step 2, then rerun from that checkpoint in a fresh folder: the
 # adapter must come out bit for bit the same. dropout 0.1 so the RNG state must resume too.
 RESUMED = {
-    "zero3-bf16-offload": dict(zero=3, offload="cpu", precision="bf16", dropout=0.1, optim="adamw_8bit"),
+    # PiSSA under ZeRO-3: each layer's partitioned weight gathered, decomposed and partitioned again.
+    "zero3-bf16-offload": dict(zero=3, offload="cpu", precision="bf16", dropout=0.1, optim="adamw_8bit", init_lora_weights="pissa_niter_2"),
     "zero3-4bit-offload": dict(zero=3, offload="cpu", precision="4bit", optim="adamw_8bit", lr=5e-2),
     "zero2-8bit": dict(zero=2, precision="8bit", optim="adamw_8bit", lr=5e-2, init_lora_weights="eva"),  # EVA: each rank runs its pass
     "zero3-8bit-offload": dict(zero=3, offload="cpu", precision="8bit", dropout=0.1, optim="adamw_8bit", lr=5e-2),
@@ -552,7 +553,9 @@ def test_a_reward_function_failing_on_one_rank_stops_every_rank_with_its_line(jo
     assert not list(out.glob("checkpoint-*"))
 
 
-@pytest.mark.parametrize("name", ["zero2-8bit", "zero3-8bit-offload", "zero3-4bit-offload", "fsdp-bf16", "fsdp-4bit-offload", "fsdp-8bit"])
+@pytest.mark.parametrize(
+    "name", ["zero2-8bit", "zero3-bf16-offload", "zero3-8bit-offload", "zero3-4bit-offload", "fsdp-bf16", "fsdp-4bit-offload", "fsdp-8bit"]
+)
 def test_sharded_adapters_merge_into_the_full_precision_base(name, jobs, tmp_path, capsys):
     out, _ = run_of(jobs, name)
     code, _, err = run_cli(["merge", "--adapter", out, "--output", tmp_path / "merged", "--dtype", "fp32"], capsys)
