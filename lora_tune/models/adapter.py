@@ -188,24 +188,31 @@ def is_meta(layer) -> bool:
     return any(p.device.type == "meta" for p in layer.lora_A.parameters())
 
 
+@contextmanager
+def base_weight_whole(layer):
+    """The layer's base weight whole, for an init that reads and rewrites it: under ZeRO-3 gathered (this
+    one layer) and rank 0's result partitioned again on exit (peft's gather_params_ctx; every rank computes
+    the same, seeded); elsewhere as it is. peft assigns the residual as a new tensor: it is copied back into
+    the weight's own storage, which ZeRO-3 partitions and frees again (a new one would stay whole on every rank)."""
+    weight = layer.get_base_layer().weight
+    with gather_params_ctx(weight, modifier_rank=0):
+        storage = weight.data
+        yield
+        if weight.data is not storage:
+            storage.copy_(weight.data)
+            weight.data = storage
+
+
 def init_lora_layer(layer, name: str, seed: int, init: str | None = None) -> None:
     """LoRA's initial values (--init-lora-weights, lora_tune.models.inits; by default A: peft's
     Kaiming uniform, B: zeros; DoRA: the base weight's row norms) from a generator seeded by the run's
     seed and the layer's name. The same values come out whichever order or process initialises the
     layers, so every backend starts from the same adapter, also when the base is filled layer by layer
     before being sharded, and a resume recomputes the same (PiSSA: the same residual base)."""
-    # An init that reads or rewrites the base weight sees it whole: under ZeRO-3 the layer's weight is
-    # gathered for it (this one layer at a time) and rank 0's result partitioned again (peft's
-    # gather_params_ctx; every rank computes the same, seeded). Elsewhere the context does nothing.
-    base_weight = layer.get_base_layer().weight
-    with gather_params_ctx(base_weight, modifier_rank=0) if inits.reads_base(init) else contextlib.nullcontext():
-        storage = base_weight.data
+    with base_weight_whole(layer) if inits.reads_base(init) else contextlib.nullcontext():
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             inits.initialise(layer, init)
-        if base_weight.data is not storage:  # peft assigns the residual as a new tensor: back into the weight's own storage,
-            storage.copy_(base_weight.data)  # which ZeRO-3 partitions and frees again (a new one would stay whole on every rank)
-            base_weight.data = storage
     variant = getattr(layer, "lora_variant", {}).get("default")
     if variant is not None and any(p.device.type == "meta" for p in layer.lora_magnitude_vector.parameters()):
         variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight
