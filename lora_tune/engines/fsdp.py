@@ -27,7 +27,7 @@ from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import BackendSpec, ModelStates, Placement, share
 from lora_tune.errors import UserError
 from lora_tune.models import layerwise
-from lora_tune.models.adapter import materialize_lora, read_adapter, trainable_state_dict
+from lora_tune.models.adapter import materialize_adapter, read_adapter, trainable_state_dict
 
 
 def refusal(precision: str, stage: int, offload: str) -> str | None:
@@ -115,9 +115,9 @@ class FSDPEngine:
             # root comes last as the wrapper itself: its LoRA layers (an image-text model's vision
             # tower under --train-vision) are named from the peft model inside it.
             init_adapter=lambda unit, name: (
-                materialize_lora(unit.peft_model, "", seed, self.device, init, reset)
+                materialize_adapter(unit.peft_model, "", seed, self.device, init, reset)
                 if unit is model
-                else materialize_lora(unit, name.removeprefix("peft_model."), seed, self.device, init, reset)
+                else materialize_adapter(unit, name.removeprefix("peft_model."), seed, self.device, init, reset)
             ),
             partition=lambda layer: fully_shard(layer, **policies),
             partition_root=lambda root: fully_shard(root, **policies),

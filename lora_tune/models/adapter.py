@@ -165,13 +165,12 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     peft_model.peft_config["default"].base_model_name_or_path = base_id
     peft_model.lora_tune_seed = cfg.seed
     peft_model.lora_tune_init = cfg.init_lora_weights
-    peft_model.lora_tune_reset = adapter_types.reset_of(cfg)  # another type's per-layer init, for layer-by-layer loading
+    reset = peft_model.lora_tune_reset = adapter_types.reset_of(cfg)  # another type's per-layer init (layer-by-layer loading too)
     for name, layer in lora_layers(peft_model):
         if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.models.layerwise)
             init_lora_layer(layer, name, cfg.seed, cfg.init_lora_weights)
-    reset = adapter_types.reset_of(cfg)
     for name, layer in tuner_layers(peft_model) if reset else ():
-        if not any(p.device.type == "meta" for _, p in adapter_tensors(layer)):  # as layer-by-layer loading draws them
+        if not tuner_is_meta(layer):  # drawn as layer-by-layer loading draws them
             reset_tuner_layer(layer, name, cfg.seed, reset)
     to_fp32(peft_model)
     torch.manual_seed(cfg.seed)  # dropout draws from here: part of the seeded math
@@ -218,7 +217,7 @@ def init_lora_layer(layer, name: str, seed: int, init: str | None = None) -> Non
         variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight
 
 
-def materialize_lora(unit, unit_name: str, seed: int, device: torch.device, init: str | None = None, reset=None) -> None:
+def materialize_adapter(unit, unit_name: str, seed: int, device: torch.device, init: str | None = None, reset=None) -> None:
     """Give the meta adapter layers inside `unit` real, seeded values on `device` (layer-by-layer loading:
     an init that decomposes the weight does so on this one filled layer). LoRA layers by `init`; another
     type's by its `reset` (lora_tune.models.adapter_types)."""
@@ -231,22 +230,21 @@ def materialize_lora(unit, unit_name: str, seed: int, device: torch.device, init
     if reset is None:
         return
     for name, layer in tuner_layers(unit, unit_name):
-        if any(p.device.type == "meta" for p in layer.parameters(recurse=False)) or any(
-            p.device.type == "meta" for _, p in adapter_tensors(layer)
-        ):
-            for container_name in layer.adapter_layer_names:
-                container = getattr(layer, container_name)
-                if "default" not in container:
-                    continue
-                item = container["default"]
-                if isinstance(item, torch.nn.Parameter):
-                    container["default"] = torch.nn.Parameter(torch.empty_like(item, device=device))
-                else:
-                    item.to_empty(device=device)
-            reset_tuner_layer(layer, name, seed, reset)
-            for _, p in adapter_tensors(layer):
-                p.data = p.data.to(device)
-            to_fp32(layer)
+        if not tuner_is_meta(layer):
+            continue
+        for container_name in layer.adapter_layer_names:
+            container = getattr(layer, container_name)
+            if "default" not in container:
+                continue
+            item = container["default"]
+            if isinstance(item, torch.nn.Parameter):
+                container["default"] = torch.nn.Parameter(torch.empty_like(item, device=device))
+            else:
+                item.to_empty(device=device)
+        reset_tuner_layer(layer, name, seed, reset)
+        for p in tuner_weights(layer):  # some resets make new parameters on the default device
+            p.data = p.data.to(device)
+        to_fp32(layer)
 
 
 def tuner_layers(module, prefix: str = ""):
@@ -256,14 +254,17 @@ def tuner_layers(module, prefix: str = ""):
             yield name, m
 
 
-def adapter_tensors(layer):
-    """(container, tensor) of a tuner layer's own adapter weights (its `adapter_layer_names`)."""
+def tuner_weights(layer):
+    """A tuner layer's own adapter weights (those of its `adapter_layer_names`)."""
     for container_name in layer.adapter_layer_names:
         container = getattr(layer, container_name)
         if "default" in container:
             item = container["default"]
-            for p in [item] if isinstance(item, torch.nn.Parameter) else item.parameters():
-                yield container_name, p
+            yield from [item] if isinstance(item, torch.nn.Parameter) else item.parameters()
+
+
+def tuner_is_meta(layer) -> bool:
+    return any(p.device.type == "meta" for p in tuner_weights(layer))
 
 
 def reset_tuner_layer(layer, name: str, seed: int, reset) -> None:
