@@ -143,6 +143,7 @@ def peft_greedy(base: str, folder: Path, ids: list[list[int]], max_new_tokens: i
     from transformers import AutoModelForCausalLM  # noqa: PLC0415 - the same
     from transformers.utils import logging as hf_logging  # noqa: PLC0415 - the same
 
+    from lora_tune.data.batching import pad_token_id  # noqa: PLC0415 - the same (it imports torch)
     from lora_tune.models.adapter import peft_building  # noqa: PLC0415 - the same (it imports peft)
 
     hf_logging.disable_progress_bar()  # the model loads in a blink here; its bar says nothing
@@ -151,7 +152,7 @@ def peft_greedy(base: str, folder: Path, ids: list[list[int]], max_new_tokens: i
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(folder)).eval()
     eos = model.get_base_model().generation_config.eos_token_id
     stops = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = pad_token_id(tokenizer)
     out = []
     for prompt in ids:
         x = torch.tensor([prompt])

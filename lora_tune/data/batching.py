@@ -199,6 +199,11 @@ def with_images(inputs: dict[str, torch.Tensor], samples: list, image_text, blan
     return {**inputs, **image_text.pixel_inputs(pictures), **image_text.token_type_inputs(inputs["input_ids"])}
 
 
+def pad_token_id(tokenizer) -> int:
+    """The id rows are padded with: the tokenizer's padding token, else its EOS (many causal LMs have no pad token)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def collate(rows: list[list], pad_id: int, packed: bool, units: bool = False, image_text=None, blank_image: bool = True) -> MicroBatch:
     """Rows of samples (each with input_ids and labels) into tensors, right-padded to the longest
     row. Packed: the sequences of a row are concatenated, each with its own position_ids (restarting

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lora_tune.data.batching import collate, pack_best_fit_decreasing, passes, shard_rows
+from lora_tune.data.batching import collate, pack_best_fit_decreasing, pad_token_id, passes, shard_rows
 from lora_tune.engines import common
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.registry import Engine
@@ -44,7 +44,7 @@ class TrainingLoop:
         self.inputs, self.cfg = inputs, inputs.cfg
         self.engine, self.model, self.state, self.metrics = engine, model, state, metrics
         tokenizer = inputs.tokenizer
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_token_id(tokenizer)
         self.stop_signal: int | None = None
         self.progress: Progress | None = None
         self.last_eval_step: int | None = None

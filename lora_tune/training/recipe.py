@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from lora_tune.data.batching import collate
+from lora_tune.data.batching import collate, pad_token_id
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.models import inits
@@ -116,7 +116,7 @@ def first_batches(inputs: RunInputs) -> list[dict]:
     """The run's first --init-batches micro-batches as model inputs, one sequence a row with its
     attention mask and labels: what an init that learns from the data reads (lora_tune.models.data_inits)."""
     tokenizer, samples = inputs.tokenizer, inputs.data.train
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     count = min(inits.init_batches(inputs.cfg), len(inputs.batches))
     batches = []
     for j in range(count):

@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
+from lora_tune.data.batching import pad_token_id
+
 log = logging.getLogger("lora_tune")
 
 GENERATORS = {
@@ -54,7 +56,7 @@ class Generator(Protocol):
 def special_ids(tokenizer, model) -> tuple[int, set[int]]:
     """(the padding id, every id that ends a completion: the tokenizer's EOS and the generation
     config's) of the loss module's base."""
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_token_id(tokenizer)
     extra = getattr(model.get_base_model().generation_config, "eos_token_id", None)
     eos_ids = {tokenizer.eos_token_id, *(extra if isinstance(extra, list) else [extra] if extra is not None else [])} - {None}
     return pad_id, eos_ids
