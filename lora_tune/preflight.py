@@ -27,7 +27,7 @@ from lora_tune.data.prompts import read_eval_prompts
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import registry as engines
 from lora_tune.errors import UserError
-from lora_tune.models import inits, tiled_mlp
+from lora_tune.models import data_inits, inits, tiled_mlp
 from lora_tune.models.adapter import Checkpointing, check_init_adapter
 from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.aliases import resolve_base
@@ -226,6 +226,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None, tools: 
         tokenizer.chat_template = image_text.processor.chat_template  # kept with the processor only (chat_template.json)
     eval_prompts = read_eval_prompts(cfg.eval_prompts, tokenizer, cfg.system_message, image_text) if cfg.eval_prompts else []
     data = prepare_data(cfg, tokenizer, partial(objectives.data_refusal, objective), image_text)
+    data_inits.check_data(cfg.init_lora_weights, data.images[0])
     if any(data.images):
         train_images, eval_images = data.images
         log.info(

@@ -188,6 +188,15 @@ def is_meta(layer) -> bool:
 
 
 @contextmanager
+def seeded_by_name(seed: int, name: str):
+    """The default generator seeded by the run's seed and a layer's name, the caller's state restored
+    after: a layer's adapter comes out the same whichever order or process draws it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+        yield
+
+
+@contextmanager
 def base_weight_whole(layer):
     """The layer's base weight whole, for an init that reads and rewrites it: under ZeRO-3 gathered (this
     one layer) and rank 0's result partitioned again on exit (peft's gather_params_ctx; every rank computes
@@ -208,10 +217,9 @@ def init_lora_layer(layer, name: str, seed: int, init: str | None = None) -> Non
     seed and the layer's name. The same values come out whichever order or process initialises the
     layers, so every backend starts from the same adapter, also when the base is filled layer by layer
     before being sharded, and a resume recomputes the same (PiSSA: the same residual base)."""
-    with base_weight_whole(layer) if inits.reads_base(init) else contextlib.nullcontext():
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-            inits.initialise(layer, init)
+    # An init that reads and rewrites the base weight (the residual inits) needs it whole.
+    with base_weight_whole(layer) if inits.changes_base(init) else contextlib.nullcontext(), seeded_by_name(seed, name):
+        inits.initialise(layer, init)
     variant = getattr(layer, "lora_variant", {}).get("default")
     if variant is not None and any(p.device.type == "meta" for p in layer.lora_magnitude_vector.parameters()):
         variant.init(layer, adapter_name="default")  # DoRA magnitude from the now filled base weight
@@ -232,11 +240,7 @@ def materialize_adapter(unit, unit_name: str, seed: int, device: torch.device, i
     for name, layer in tuner_layers(unit, unit_name):
         if not tuner_is_meta(layer):
             continue
-        for container_name in layer.adapter_layer_names:
-            container = getattr(layer, container_name)
-            if "default" not in container:
-                continue
-            item = container["default"]
+        for container, item in list(tuner_entries(layer)):
             if isinstance(item, torch.nn.Parameter):
                 container["default"] = torch.nn.Parameter(torch.empty_like(item, device=device))
             else:
@@ -254,13 +258,19 @@ def tuner_layers(module, prefix: str = ""):
             yield name, m
 
 
-def tuner_weights(layer):
-    """A tuner layer's own adapter weights (those of its `adapter_layer_names`)."""
+def tuner_entries(layer):
+    """(container, the run's adapter entry: a parameter or a module) of each of a tuner layer's
+    `adapter_layer_names` that holds one."""
     for container_name in layer.adapter_layer_names:
         container = getattr(layer, container_name)
         if "default" in container:
-            item = container["default"]
-            yield from [item] if isinstance(item, torch.nn.Parameter) else item.parameters()
+            yield container, container["default"]
+
+
+def tuner_weights(layer):
+    """A tuner layer's own adapter weights."""
+    for _, item in tuner_entries(layer):
+        yield from [item] if isinstance(item, torch.nn.Parameter) else item.parameters()
 
 
 def tuner_is_meta(layer) -> bool:
@@ -268,10 +278,8 @@ def tuner_is_meta(layer) -> bool:
 
 
 def reset_tuner_layer(layer, name: str, seed: int, reset) -> None:
-    """Another type's layer at peft's default init, from a generator seeded by the run's seed and the
-    layer's name: the same values whichever process fills it (as LoRA's, `init_lora_layer`)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    """Another type's layer at peft's default init, drawn as LoRA's are (`seeded_by_name`)."""
+    with seeded_by_name(seed, name):
         reset(layer)
 
 

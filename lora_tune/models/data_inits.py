@@ -32,12 +32,20 @@ from lora_tune.errors import UserError
 log = logging.getLogger("lora_tune")
 
 FROM_DATA = ("eva", "corda", "lora_ga")
-TEXT_INPUTS = {"input_ids", "attention_mask", "labels"}
 EVA_FOUND = "lora_tune_eva_components"  # the attribute the pass leaves on a layer for EVA's A
 
 
 def needs_data(init: str | None) -> bool:
     return init in FROM_DATA
+
+
+def check_data(init: str | None, training_images: int) -> None:
+    """What the run's data can't give its init, said before the model loads."""
+    if init == "corda" and training_images:
+        raise UserError(
+            f"--init-lora-weights corda: peft's covariance hooks read one text sequence at a time, and {training_images} training "
+            "rows hold images; use eva or pissa with image-text data"
+        )
 
 
 def _on(batch: dict, device: torch.device) -> dict:
@@ -66,12 +74,6 @@ def statistics_pass(base, init: str, lora_config, batches: list[dict]) -> None:
             setattr(base.get_submodule(name), EVA_FOUND, components)
     elif init == "corda":
         config.corda_config = CordaConfig(corda_method="ipm")
-
-        if any(set(b) - TEXT_INPUTS for b in batches):
-            raise UserError(
-                "--init-lora-weights corda: peft's covariance hooks read one text sequence at a time, and these micro-batches "
-                "hold images; use eva or pissa with image-text data"
-            )
 
         def run_model():  # one sequence at a time, without its padding: peft's hooks take a (tokens, features) input
             with torch.no_grad():

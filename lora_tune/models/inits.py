@@ -29,11 +29,6 @@ def changes_base(init: str | None) -> bool:
     return init is not None and init.startswith(CHANGES_BASE)
 
 
-def reads_base(init: str | None) -> bool:
-    """The init reads the base weight (and, changing it, writes it back): DoRA's magnitudes aside, the others draw A and B alone."""
-    return changes_base(init)
-
-
 def initialise(layer, init: str | None) -> None:
     """One LoRA layer's initial values by peft's per-layer init `init` (None: peft's default, Kaiming A
     and zero B), drawn from the caller's seeded generator. An init that changes the base keeps its

@@ -20,7 +20,7 @@ from lora_tune.config import TrainConfig
 from lora_tune.data.batching import collate
 from lora_tune.data.prepare import prepare_data
 from lora_tune.errors import UserError
-from lora_tune.models import inits
+from lora_tune.models import data_inits, inits
 from lora_tune.models.adapter import add_lora
 from lora_tune.models.loading import load_base_model, load_tokenizer
 
@@ -182,3 +182,7 @@ def test_a_data_init_is_refused_where_no_rank_holds_the_base_or_there_is_no_sequ
     with pytest.raises(UserError, match="has prompts, not training sequences"):
         inits.check(cfg, needs_reference=False, online=True)
     inits.check(cfg, needs_reference=True)  # EVA keeps the base: a reference is the base as it was
+    with pytest.raises(UserError, match="corda: peft's covariance hooks read one text sequence at a time, and 3 training rows"):
+        data_inits.check_data("corda", 3)  # said by preflight once the data is read, before the model loads
+    data_inits.check_data("eva", 3)
+    data_inits.check_data("corda", 0)
