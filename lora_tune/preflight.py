@@ -116,7 +116,7 @@ def check_adapter(cfg: TrainConfig) -> None:
     objective = objectives.of(cfg)
     spec = engines.spec_of(cfg)
     partitioned = cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero)
-    adapter_types.check(cfg, partitioned=partitioned)
+    adapter_types.check(cfg, partitioned=partitioned, whole_gradients=spec.whole_gradients)
     needs_reference = objective.reference or bool(objective.online and cfg.beta)
     inits.check(cfg, needs_reference=needs_reference, partitioned=partitioned, online=objective.online)
 
@@ -267,6 +267,7 @@ def check_inputs(cfg: TrainConfig, reward_functions: list | None = None, tools: 
         steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch(cfg, len(data.train))))
     else:
         steps = total_steps(cfg, len(batches))
+    adapter_types.check_steps(cfg, steps)
     if resume_from:
         check_steps_left(cfg, saved_state, steps, resume_from, output_dir)
     plan = memory_plan(cfg, device, levers.pass_tokens, levers.attention, targets)

@@ -237,7 +237,22 @@ BAD_INPUT = {
         "--modules-to-save: score_head is not a module of this model; name one such as lm_head",
     ),
     "unknown peft type": (lambda c: c.train(peft_type="fourier"), "--peft-type: got 'fourier'"),
-    "adalora": (lambda c: c.train(peft_type="adalora"), "--peft-type adalora: AdaLoRA's rank allocator (peft's update_and_allocate)"),
+    "adalora under deepspeed": (
+        lambda c: c.train(peft_type="adalora", zero=2),
+        "--peft-type adalora: its step (the rank allocator, peft's update_and_allocate) reads every adapter gradient whole",
+    ),
+    "adalora option with lora": (
+        lambda c: c.train(adalora_tinit=1),
+        "--adalora-tinit is an option of --peft-type adalora, not of lora: leave it out (or change the type)",
+    ),
+    "adalora target above rank": (
+        lambda c: c.train(peft_type="adalora", adalora_target_r=8),
+        "--adalora-target-r 8 is above --rank 4: AdaLoRA only lowers ranks",
+    ),
+    "adalora schedule longer than the run": (
+        lambda c: c.train(peft_type="adalora", adalora_tinit=3, adalora_tfinal=1),
+        "--adalora-tinit 3 + --adalora-tfinal 1 leave none of this run's 4 steps for AdaLoRA to reallocate ranks in",
+    ),
     "lora-only option with another type": (
         lambda c: c.train(peft_type="oft", dora=True),
         "--dora is a LoRA option; --peft-type oft has no such thing: leave it out (or use --peft-type lora)",

@@ -15,6 +15,7 @@ from transformers import GenerationConfig, get_scheduler
 
 from lora_tune.engines import ranks as dist
 from lora_tune.engines import state as state_files
+from lora_tune.errors import UserError
 from lora_tune.models.loading import attention_implementation, compute_dtype, load_base_model, load_config
 
 
@@ -82,11 +83,12 @@ def loss_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
-def clip_and_step(params, optimizer, scheduler, scaler, max_grad_norm: float) -> tuple[float, bool]:
+def clip_and_step(params, optimizer, scheduler, scaler, max_grad_norm: float, hooks=None) -> tuple[float, bool]:
     """The end of an optimizer step for an engine whose every rank holds every LoRA weight whole (one
     device, DDP after its all-reduce): clip, step the optimizer and the schedule; (grad norm, applied).
     A non-finite gradient norm skips the update (the fp16 scaler does this itself, where an overflow
-    only lowers the scale)."""
+    only lowers the scale). `hooks`: the adapter type's work around the step (AdaLoRA's penalty and
+    rank allocation, lora_tune.models.adapter_types), or None."""
     # A step whose micro-batches never reached a trainable tensor (the vision tower's LoRA with no
     # image, an expert no token was routed to) gives it a zero gradient, as the sharded engines do:
     # AdamW's moments, step count and weight decay then advance for every tensor, so one process
@@ -96,6 +98,8 @@ def clip_and_step(params, optimizer, scheduler, scaler, max_grad_norm: float) ->
             p.grad = torch.zeros_like(p)
     if scaler:
         scaler.unscale_(optimizer)
+    if hooks:
+        hooks.add_penalty_gradients()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else float("inf")))
     applied = math.isfinite(grad_norm)
     if scaler:
@@ -103,6 +107,8 @@ def clip_and_step(params, optimizer, scheduler, scaler, max_grad_norm: float) ->
         scaler.update()
     elif applied:
         optimizer.step()
+    if hooks:
+        hooks.after_step(applied)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return grad_norm, applied
@@ -255,19 +261,24 @@ def load_rank_state(folder: Path) -> dict:
     return state
 
 
-def save_whole_state(folder: Path, optimizer, scheduler, scaler) -> None:
+def save_whole_state(folder: Path, optimizer, scheduler, scaler, hooks=None) -> None:
     """save_rank_state of an engine whose optimizer holds every LoRA weight whole (one device, DDP),
-    with its fp16 loss scaler where it has one."""
-    save_rank_state(folder, optimizer, scheduler, **({"scaler": scaler.state_dict()} if scaler else {}))
+    with its fp16 loss scaler and the adapter type's step state (`hooks`) where it has them."""
+    extra = {"scaler": scaler.state_dict()} if scaler else {}
+    save_rank_state(folder, optimizer, scheduler, **extra, **({"adapter_steps": hooks.state_dict()} if hooks else {}))
 
 
-def load_whole_state(folder: Path, cfg, optimizer, scheduler, scaler):
-    """What save_whole_state wrote, loaded into the optimizer (and scaler); returns the schedule
-    this run continues with (resumed_scheduler)."""
+def load_whole_state(folder: Path, cfg, optimizer, scheduler, scaler, hooks=None):
+    """What save_whole_state wrote, loaded into the optimizer (and scaler, and step hooks); returns the
+    schedule this run continues with (resumed_scheduler)."""
     state = load_rank_state(folder)
     optimizer.load_state_dict(state["optimizer"])
     if scaler and state.get("scaler"):
         scaler.load_state_dict(state["scaler"])
+    if hooks:
+        if "adapter_steps" not in state:
+            raise UserError(f"{folder} holds no state of AdaLoRA's rank allocator; resume from a checkpoint of this run")
+        hooks.load_state_dict(state["adapter_steps"])
     return resumed_scheduler(cfg, scheduler, state["scheduler"])
 
 

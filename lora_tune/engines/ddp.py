@@ -23,6 +23,7 @@ from lora_tune.engines import common
 from lora_tune.engines import ranks as dist
 from lora_tune.engines.spec import BackendSpec, whole
 from lora_tune.models.adapter import load_adapter_weights, trainable_state_dict
+from lora_tune.models.adapter_types import registry as adapter_types
 
 EXPERT_MODULE = re.compile(r"\.experts\.\d+\.")  # one module per expert (not a fused expert tensor)
 
@@ -50,6 +51,7 @@ SPEC = BackendSpec(
     # than ZeRO-1's reduce-scatter + all-gather of the same states.
     slowdown=lambda stage, offload: 1.01,
     compiles=lambda stage: True,  # DDP's hooks sit on the LoRA weights' gradients, outside the compiled layers
+    whole_gradients=True,
 )
 
 
@@ -98,6 +100,7 @@ class DDPEngine:
         groups = common.param_groups(named, cfg.lr, cfg.loraplus_lr_ratio)
         self.optimizer = common.build_optimizer(cfg.optim, groups, cfg.lr, cfg.weight_decay)
         self.scheduler = common.build_scheduler(cfg, self.optimizer, total_steps)
+        self.step_hooks = adapter_types.step_hooks(cfg, model.peft_model, total_steps)  # AdaLoRA's allocator, else None
         self.pending = 0
 
     # --- steps ---------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ class DDPEngine:
 
     def step(self) -> tuple[float, bool]:
         self.pending = 0
-        return common.clip_and_step(self.params, self.optimizer, self.scheduler, self.scaler, self.cfg.max_grad_norm)
+        return common.clip_and_step(self.params, self.optimizer, self.scheduler, self.scaler, self.cfg.max_grad_norm, self.step_hooks)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -137,10 +140,10 @@ class DDPEngine:
         return trainable_state_dict(self.model.peft_model)  # whole on every rank, the same
 
     def save_state(self, folder: Path) -> None:
-        common.save_whole_state(folder, self.optimizer, self.scheduler, self.scaler)
+        common.save_whole_state(folder, self.optimizer, self.scheduler, self.scaler, self.step_hooks)
 
     def load_state(self, folder: Path) -> None:
-        self.scheduler = common.load_whole_state(folder, self.cfg, self.optimizer, self.scheduler, self.scaler)
+        self.scheduler = common.load_whole_state(folder, self.cfg, self.optimizer, self.scheduler, self.scaler, self.step_hooks)
 
     def memory_report(self) -> str | None:
         return common.memory_line(self.model, self.device, self.cfg.offload, "ddp", None)

@@ -10,6 +10,7 @@ import torch
 from lora_tune.engines import common
 from lora_tune.engines.spec import BackendSpec, whole
 from lora_tune.models.adapter import load_adapter_weights, trainable_state_dict
+from lora_tune.models.adapter_types import registry as adapter_types
 
 
 def refusal(precision: str, stage: int, offload: str) -> str | None:
@@ -32,6 +33,7 @@ SPEC = BackendSpec(
     place=lambda states, stage, offload, world: whole(states),
     slowdown=lambda stage, offload: 1.0,
     compiles=lambda stage: True,
+    whole_gradients=True,
 )
 
 
@@ -60,6 +62,7 @@ class SingleDeviceEngine:
         groups = common.param_groups(named, cfg.lr, cfg.loraplus_lr_ratio)
         self.optimizer = common.build_optimizer(cfg.optim, groups, cfg.lr, cfg.weight_decay)
         self.scheduler = common.build_scheduler(self.cfg, self.optimizer, total_steps)
+        self.step_hooks = adapter_types.step_hooks(cfg, model.peft_model, total_steps)  # AdaLoRA's allocator, else None
 
     # --- steps ---------------------------------------------------------------------------------
     def forward_backward(self, batch, divisor: float) -> torch.Tensor:
@@ -70,7 +73,7 @@ class SingleDeviceEngine:
         return loss.detach().float()
 
     def step(self) -> tuple[float, bool]:
-        return common.clip_and_step(self.params, self.optimizer, self.scheduler, self.scaler, self.cfg.max_grad_norm)
+        return common.clip_and_step(self.params, self.optimizer, self.scheduler, self.scaler, self.cfg.max_grad_norm, self.step_hooks)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -91,10 +94,10 @@ class SingleDeviceEngine:
         return trainable_state_dict(self.model.peft_model)
 
     def save_state(self, folder: Path) -> None:
-        common.save_whole_state(folder, self.optimizer, self.scheduler, self.scaler)
+        common.save_whole_state(folder, self.optimizer, self.scheduler, self.scaler, self.step_hooks)
 
     def load_state(self, folder: Path) -> None:
-        self.scheduler = common.load_whole_state(folder, self.cfg, self.optimizer, self.scheduler, self.scaler)
+        self.scheduler = common.load_whole_state(folder, self.cfg, self.optimizer, self.scheduler, self.scaler, self.step_hooks)
 
     def memory_report(self) -> str | None:
         return None

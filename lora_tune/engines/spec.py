@@ -99,5 +99,8 @@ class BackendSpec:
     layer_by_layer_alternative: str = ""
     # (stage) -> --compile verified under it (tests train compiled == eager on 2 ranks).
     compiles: Callable[[int], bool] = lambda stage: False
+    # After backward and until its step ends, every rank holds every adapter gradient whole in
+    # `p.grad` (one device, DDP after its all-reduce): what a type's step hooks read (AdaLoRA's allocator).
+    whole_gradients: bool = False
     options: tuple[str, ...] = ()  # config fields only this backend reads (refused with another one)
     check_inputs: Callable[[object], None] | None = None  # backend-specific input checks (files), before loading

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.integrations import gather_params_ctx
 from safetensors import SafetensorError
@@ -29,7 +28,7 @@ from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.adapter_types.registry import is_lora
 from lora_tune.models.loading import checkpointing_on
 from lora_tune.models.structure import meta_model
-from lora_tune.models.targets import Targets, check_adapted, check_tuned, lora_config, lora_layers, resolve_targets
+from lora_tune.models.targets import Targets, check_adapted, check_tuned, is_lora_layer, lora_config, lora_layers, resolve_targets
 
 if TYPE_CHECKING:
     from lora_tune.config import TrainConfig
@@ -254,7 +253,7 @@ def materialize_adapter(unit, unit_name: str, seed: int, device: torch.device, i
 def tuner_layers(module, prefix: str = ""):
     """(full name, layer) of every adapter layer of another --peft-type inside `module`."""
     for name, m in module.named_modules(prefix=prefix):
-        if isinstance(m, BaseTunerLayer) and not isinstance(m, LoraLayer):
+        if isinstance(m, BaseTunerLayer) and not is_lora_layer(m):
             yield name, m
 
 
@@ -300,9 +299,10 @@ def check_adapter_state(state: dict[str, torch.Tensor], lora_cfg) -> None:
         # r rows; fused expert tensors (target_parameters) stack one rank-r factor per expert.
         if "lora_A" not in name:
             continue
-        rows_ok = t.shape[0] % lora_cfg.r == 0 if lora_cfg.target_parameters else t.shape[0] == lora_cfg.r
+        rank = getattr(lora_cfg, "init_r", lora_cfg.r)  # AdaLoRA's are at its starting rank, written whole
+        rows_ok = t.shape[0] % rank == 0 if lora_cfg.target_parameters else t.shape[0] == rank
         if not rows_ok and not lora_cfg.rank_pattern:
-            raise RuntimeError(f"adapter tensor {name} has shape {tuple(t.shape)}, expected rank {lora_cfg.r} rows")
+            raise RuntimeError(f"adapter tensor {name} has shape {tuple(t.shape)}, expected rank {rank} rows")
 
 
 def save_adapter(peft_model, out_dir: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:

@@ -45,6 +45,9 @@ class ModelOptions(Options):
 ADAPTER_SHAPE = fixed("holds adapter tensors (and their optimizer state) of that shape", from_checkpoint=False)
 
 
+# On --resume: AdaLoRA's allocator state holds scores and ranks allocated on that schedule.
+ADALORA_SCHEDULE = fixed("allocated AdaLoRA's ranks on that schedule")
+
 # peft's init_lora_weights values (lora_tune.models.inits runs them; eva, corda and lora_ga after a
 # statistics pass over the run's first micro-batches: lora_tune.models.data_inits).
 LORA_INITS = ("gaussian", "orthogonal", "pissa", "pissa_niter_N", "olora", "eva", "corda", "loftq", "lora_ga")
@@ -63,10 +66,10 @@ class LoraOptions(Options):
     peft_type: Literal["lora", "oft", "boft", "loha", "lokr", "vera", "ia3", "adalora", "miss", "hra"] = Field(
         "lora",
         json_schema_extra=ADAPTER_SHAPE,
-        description="peft's adapter type: lora (default), oft, boft, loha, lokr, vera, ia3, miss, hra (adalora is refused, "
-        "saying why). --rank/--alpha/--dropout go to the type's own knobs (OFT/BOFT: block size; IA3: none), an unused one "
-        "said once; LoRA-only options are refused with another type. One process, ZeRO-1/2, and FSDP2 for loha, lokr, ia3, miss, "
-        "hra; merged through peft; vLLM and llama.cpp serve LoRA only (merge first).",
+        description="peft's adapter type: lora (default), oft, boft, loha, lokr, vera, ia3, adalora, miss, hra. --rank/--alpha/"
+        "--dropout go to the type's own knobs (OFT/BOFT: block size; IA3: none; AdaLoRA: the starting rank), an unused one said "
+        "once; LoRA-only options are refused with another type. One process, DDP, ZeRO-1/2 (not adalora), and FSDP2 for loha, "
+        "lokr, ia3, miss, hra; merged through peft; vLLM and llama.cpp serve LoRA only (merge first).",
     )
     rank: int = Field(
         16,
@@ -143,6 +146,32 @@ class LoraOptions(Options):
         json_schema_extra=ADAPTER_SHAPE,
         description="Modules trained in full beside the adapter and saved with it (peft's modules_to_save), e.g. lm_head or "
         "embed_tokens. vLLM and llama.cpp can't take them: merge first.",
+    )
+    adalora_target_r: int | None = Field(
+        None,
+        gt=0,
+        json_schema_extra=ADALORA_SCHEDULE,
+        description="--peft-type adalora: the average rank the budget falls to (peft's target_r). Default: two thirds of --rank "
+        "(peft's 8 of 12).",
+    )
+    adalora_tinit: int | None = Field(
+        None, ge=0, json_schema_extra=ADALORA_SCHEDULE, description="--peft-type adalora: first steps at full rank (tinit, default 0)."
+    )
+    adalora_tfinal: int | None = Field(
+        None,
+        ge=0,
+        json_schema_extra=ADALORA_SCHEDULE,
+        description="--peft-type adalora: final steps with the ranks fixed (peft's tfinal; default 0).",
+    )
+    adalora_delta_t: int | None = Field(
+        None, gt=0, json_schema_extra=ADALORA_SCHEDULE, description="--peft-type adalora: steps between reallocations (deltaT, default 1)."
+    )
+    adalora_orth_reg_weight: float | None = Field(
+        None,
+        ge=0,
+        json_schema_extra=MATH,
+        description="--peft-type adalora: weight of the orthogonality penalty on P and Q, added once per optimizer step (peft's "
+        "orth_reg_weight; default 0.5).",
     )
     rslora: bool = Field(False, json_schema_extra=MATH, description="Rank-stabilised LoRA scaling alpha / sqrt(r).")
     dora: bool = Field(False, json_schema_extra=ADAPTER_SHAPE, description="Weight-decomposed LoRA (DoRA).")

@@ -15,6 +15,7 @@ import bitsandbytes as bnb
 import peft
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from peft.tuners.adalora import AdaLoraLayer
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import get_pattern_key
@@ -512,10 +513,16 @@ def check_modules_to_save(cfg, model) -> None:
             raise UserError(f"--modules-to-save: {wanted} is not a module of this model; name one such as lm_head or embed_tokens")
 
 
+def is_lora_layer(module) -> bool:
+    """A LoRA layer proper: peft's AdaLoRA layers are LoraLayers too, with SVD triplets in place of A, B
+    (another --peft-type, lora_tune.models.adapter_types)."""
+    return isinstance(module, LoraLayer) and not isinstance(module, AdaLoraLayer)
+
+
 def lora_layers(module, prefix: str = ""):
     """(full name, layer) of every LoRA layer inside `module`."""
     for name, m in module.named_modules(prefix=prefix):
-        if isinstance(m, LoraLayer):
+        if is_lora_layer(m):
             yield name, m
 
 

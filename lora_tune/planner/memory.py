@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from lora_tune.engines import registry as engines
 from lora_tune.engines.spec import ModelStates
 from lora_tune.models.adapter import trained_sizes, uniform_lora
+from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.head import auto_chunk_size
 from lora_tune.models.targets import lora_targets, resolve_targets
 from lora_tune.planner import vision
@@ -187,7 +188,8 @@ def with_adapter(cfg, arch: Architecture, setup: Setup, targets=None) -> Setup:
         return setup
     targets = targets or lora_targets(cfg, arch.config)
     sizes = trained_sizes(arch.config, cfg, targets) if targets is not None else None
-    return replace(setup, adapter_sizes=sizes) if sizes is not None else setup
+    extra = adapter_types.state_bytes(cfg)
+    return replace(setup, adapter_sizes=sizes, adapter_state_bytes=extra) if sizes is not None else setup
 
 
 def model_states(arch: Architecture, setup: Setup) -> ModelStates:
@@ -200,7 +202,7 @@ def model_states(arch: Architecture, setup: Setup) -> ModelStates:
         layer_weights=layer_weights,
         trainable=4 * trainable,
         gradients=4 * trainable,
-        optimizer=optimizer_bytes(tensors, setup.optim),
+        optimizer=optimizer_bytes(tensors, setup.optim) + setup.adapter_state_bytes * trainable,
         trainable_params=trainable,
     )
 

@@ -46,6 +46,8 @@ class Setup:
     # rank patterns, layer lists, trainable tokens, modules kept in full), counted by peft on a meta
     # skeleton (lora_tune.models.adapter.trained_sizes); None: a LoRA of --rank, counted from the shapes.
     adapter_sizes: tuple[int, ...] | None = None
+    # Bytes per trained element the adapter type keeps beside the optimizer (AdaLoRA's allocator: three fp32 scores).
+    adapter_state_bytes: int = 0
 
     @property
     def world(self) -> int:

@@ -126,8 +126,11 @@ COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 2}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
 # Another adapter type (LoHa) under ZeRO-2, resumed from step 2 (the RESUMED pattern; its tensors are not LoRA pairs).
 TYPED = {"zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2)}
-# LoHa under FSDP2: each layer's adapter drawn where the streamed layer is filled, seeded by its name as on one process.
-TYPED_STREAMED = {"fsdp-loha": dict(backend="fsdp", peft_type="loha")}
+# Another type on 2 ranks, one micro-batch each, against one process: LoHa under FSDP2 (each layer's adapter
+# drawn where the streamed layer is filled, seeded by its name as on one process); AdaLoRA under DDP (its
+# penalty and rank allocation on every rank alike, from the all-reduced gradients).
+TYPED_EXACT = {"fsdp-loha": dict(backend="fsdp", peft_type="loha"), "ddp-adalora": dict(backend="ddp", peft_type="adalora", lr=2e-2)}
+TYPE_TENSORS = {"loha": "hada_", "adalora": "lora_"}
 # LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards, DeepSpeed's CPU Adam on offloaded states, DDP.
 LORAPLUS = {
     "fsdp-loraplus": dict(backend="fsdp"),
@@ -207,7 +210,7 @@ def jobs(tiny_model, tmp_path_factory):
     for backend in EXACT:
         exact = {**RUN_ARGS, "grad_accum": 1, "backend": backend, "dropout": 0.0, "optim": "adamw"}
         add(f"{backend}-fp32-exact", fast_train_args(tiny_model, data, root / f"{backend}-fp32-exact", **exact))
-    for name, kw in TYPED_STREAMED.items():
+    for name, kw in TYPED_EXACT.items():
         exact = {**RUN_ARGS, "grad_accum": 1, "dropout": 0.0, "optim": "adamw"}
         add(name, fast_train_args(tiny_model, data, root / name, **exact, **kw))
     # Two micro-batches per rank: DDP all-reduces after the second alone (the first runs under no_sync).
@@ -407,20 +410,23 @@ def test_another_adapter_type_trains_on_two_ranks_and_resumes_bit_identical(name
     assert step_losses(full)[-1] < step_losses(full)[0]
 
 
-@pytest.mark.parametrize("name", list(TYPED_STREAMED))
-def test_another_type_under_fsdp2_is_one_process_bit_for_bit(name, jobs, tiny_model, tmp_path, capsys):
+@pytest.mark.parametrize("name", list(TYPED_EXACT))
+def test_another_type_on_two_ranks_is_one_process_bit_for_bit(name, jobs, tiny_model, tmp_path, capsys):
     """A LoHa adapter filled layer by layer as FSDP2 streams the base in starts where one process's
-    does (peft's per-layer init, seeded by the layer's name) and trains the same, to the bit."""
+    does (peft's per-layer init, seeded by the layer's name) and trains the same, to the bit; AdaLoRA's
+    ranks under DDP allocate as one process's (every singular value masked alike)."""
     out, err = run_of(jobs, name)
-    assert "fsdp backend" in err
+    assert f"{TYPED_EXACT[name]['backend']} backend" in err
     one = tmp_path / "one"
-    kw = {k: v for k, v in TYPED_STREAMED[name].items() if k != "backend"}
+    kw = {k: v for k, v in TYPED_EXACT[name].items() if k != "backend"}
     code, _, err = run_cli(fast_train_args(tiny_model, jobs["data"], one, **RUN_ARGS, dropout=0.0, optim="adamw", **kw), capsys)
     assert code == 0, err
     assert step_losses(out) == step_losses(one)
     tensors = adapter(out)
-    assert tensors and all("hada_" in k for k in tensors)
+    assert tensors and all(TYPE_TENSORS[kw["peft_type"]] in k for k in tensors)
     assert_bit_identical(tensors, adapter(one))
+    masked = [int((t == 0).sum()) for k, t in tensors.items() if "lora_E" in k]
+    assert sum(masked) > 0 or kw["peft_type"] != "adalora"
 
 
 @pytest.mark.parametrize("name", list(LORAPLUS))

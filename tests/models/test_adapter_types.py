@@ -9,10 +9,12 @@ import os
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import AdaLoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from lora_tune.cli import main
+from lora_tune.engines import common
+from lora_tune.models.adapter_types import adalora
 from lora_tune.models.adapter_types.registry import TYPES
 
 from helpers import ALPACA, adapter_tensors, assert_bit_identical, fast_train_args, run_cli, single_error_line, step_losses, write_jsonl
@@ -37,9 +39,9 @@ def logits(model) -> torch.Tensor:
         return model.eval()(input_ids=IDS).logits
 
 
-def test_every_type_lora_tune_offers_is_trained_here_or_refused_saying_why():
-    assert set(TRAINED) == {"oft", "boft", "loha", "lokr", "vera", "ia3", "miss", "hra"}
-    assert [name for name, kind in TYPES.items() if kind.refusal] == ["adalora"]
+def test_every_type_lora_tune_offers_is_trained_here():
+    assert set(TRAINED) == {"oft", "boft", "loha", "lokr", "vera", "ia3", "adalora", "miss", "hra"}
+    assert not [name for name, kind in TYPES.items() if kind.refusal]
 
 
 def test_a_boft_run_and_its_merge_leave_the_compiler_variables_as_they_were(runs, tiny_model, tmp_path, capsys, monkeypatch):
@@ -94,3 +96,70 @@ def test_a_type_resumes_exactly(name, runs, tiny_model, tmp_path, capsys):
 def test_export_of_another_type_says_merge_first(fmt, out, runs, tmp_path, capsys):
     code, _, err = run_cli(["export", runs["root"] / "oft", "--format", fmt, "--output", tmp_path / out], capsys)
     assert code == 2 and "holds a OFT adapter, not LoRA pairs, which this reads: merge it first" in single_error_line(err)
+
+
+# --- AdaLoRA: its rank allocation and orthogonality penalty around each optimizer step -------------
+def adalora_model(tiny_model, total_step: int):
+    """A causal-LM AdaLoRA (task_type: peft's forward then goes through AdaLoraModel.forward, which adds the
+    penalty to the loss; a bare PeftModel's doesn't)."""
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    modules = ["q_proj", "v_proj", "down_proj"]
+    return get_peft_model(base, AdaLoraConfig(init_r=4, target_r=2, total_step=total_step, target_modules=modules, task_type="CAUSAL_LM"))
+
+
+def test_an_adalora_step_is_peft_own(tiny_model):
+    """lora-tune's step (the data loss without the penalty, then clip_and_step with the type's hooks)
+    moves every weight and masks every singular value as peft's documented loop does: its forward's
+    loss (data + orth_reg_weight x penalty), backward, optimizer step, update_and_allocate, zero_grad."""
+    total = 4
+    peft_side, ours = adalora_model(tiny_model, total), adalora_model(tiny_model, total)
+    ids = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+
+    def optimizer(model):
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2, weight_decay=0.01)
+
+    peft_opt, our_opt = optimizer(peft_side), optimizer(ours)
+    schedule = torch.optim.lr_scheduler.LambdaLR(our_opt, lambda step: 1.0)
+    hooks = adalora.RankAllocation(ours, total)
+    params = [p for p in ours.parameters() if p.requires_grad]
+    for step in range(total):
+        peft_side(input_ids=ids, labels=ids).loss.backward()
+        peft_opt.step()
+        peft_side.base_model.update_and_allocate(step)
+        peft_opt.zero_grad()
+        ours.base_model.model(input_ids=ids, labels=ids).loss.backward()  # the transformers model: no penalty in its loss
+        common.clip_and_step(params, our_opt, schedule, None, 0.0, hooks)
+    want, got = dict(peft_side.named_parameters()), dict(ours.named_parameters())
+    for name, p in want.items():
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+    masked = [int((p == 0).sum()) for name, p in got.items() if "lora_E" in name]
+    assert sum(masked) > 0 and masked == [int((p == 0).sum()) for name, p in want.items() if "lora_E" in name]
+    # The allocated ranks stay with the hooks, not the config (which would cut the adapter at save).
+    assert ours.peft_config["default"].rank_pattern is None and hooks.rank_pattern == peft_side.peft_config["default"].rank_pattern
+    # What the planner counts beside the optimizer: three fp32 scores per trained element.
+    scores = hooks.state_dict()
+    held = sum(t.nbytes for name in ("ipt", "exp_avg_ipt", "exp_avg_unc") for t in scores[name].values())
+    assert held == TYPES["adalora"].state_bytes * sum(p.numel() for p in params)
+
+
+def test_adalora_resumes_exactly_and_ends_at_its_budget(runs, tiny_model, tmp_path, capsys):
+    """A 4-step run and the same run resumed from its step-2 checkpoint in another folder end bit for bit
+    alike (dropout on); the ranks left are the cubic schedule's budget at the last step; the adapter is
+    written whole (every weight at --rank, the masked singular values zero) and loads with stock peft."""
+    args = dict(max_steps=4, save_steps=2, lr=2e-2, peft_type="adalora", rank=6, dropout=0.1)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli(fast_train_args(tiny_model, runs["data"], straight, **args), capsys)[0] == 0
+    code, _, err = run_cli(fast_train_args(tiny_model, runs["data"], resumed, **args, resume=str(straight / "checkpoint-2")), capsys)
+    assert code == 0 and "resumed from" in err, err
+    tensors = adapter_tensors(straight)
+    assert_bit_identical(tensors, adapter_tensors(resumed))
+    config = json.loads((straight / "adapter_config.json").read_text())
+    assert (config["init_r"], config["target_r"], config["total_step"], config["rank_pattern"]) == (6, 4, 4, None)
+    values = [t for name, t in tensors.items() if "lora_E" in name]
+    assert {tuple(t.shape) for t in values} == {(6, 1)}
+    weights = len(values)
+    budget = int((weights * 6 - weights * 4) * (1 - 3 / 4) ** 3 + weights * 4)  # the schedule at step index 3 of 4
+    assert sum(int((t != 0).sum()) for t in values) == budget
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), straight)
+    assert (logits(peft_model) - logits(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))).abs().max() > 1e-3

@@ -154,6 +154,7 @@ def test_model_states_are_exact(precision, optim, tiny_model):
         {"peft_type": "loha"},
         {"peft_type": "vera"},
         {"peft_type": "ia3"},
+        {"peft_type": "adalora"},
         {"rank_pattern": [r".*\.q_proj=16"]},
         {"layers_to_transform": [1]},
         {"modules_to_save": ["lm_head"]},

@@ -4,6 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
+
+
+class StepHooks(Protocol):
+    """What a type does around each optimizer step beyond its forward (AdaLoRA's rank allocation), made
+    by the engine with its optimizer (`step_hooks(peft_model, total_steps)`) and run by the engines whose
+    every rank holds every adapter gradient whole until the step ends (BackendSpec.whole_gradients)."""
+
+    def add_penalty_gradients(self) -> None: ...  # once per step, before clipping
+
+    def after_step(self, applied: bool) -> None: ...  # after the optimizer step, before zeroing the gradients
+
+    def state_dict(self) -> dict: ...  # in each rank's checkpoint part
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -16,7 +31,9 @@ class AdapterType:
     seeded by the layer's name, so a layer filled where it is loaded (FSDP2 streams the base in) starts
     as on one process; None where a layer can't be filled alone (VeRA's projections are shared by
     every layer; BOFT's butterfly permutations are computed on real values; OFT's rotation modules keep
-    index buffers that layer-by-layer loading can't rebuild)."""
+        index buffers that layer-by-layer loading can't rebuild). `step_hooks`: what the type does around
+    each optimizer step (StepHooks), None for most; `check_steps(cfg, total_steps)`: its refusal of a
+    run length, before loading."""
 
     name: str
     build: Callable
@@ -24,3 +41,7 @@ class AdapterType:
     quantized: bool = False
     refusal: str | None = None  # why lora-tune doesn't train it yet
     reset: Callable | None = None
+    step_hooks: Callable[..., StepHooks] | None = None
+    check_steps: Callable | None = None
+    state_bytes: int = 0  # per trained element, kept by the step hooks beside the optimizer (the planner counts it)
+    options: tuple[str, ...] = ()  # config fields only this type reads (refused with another one)

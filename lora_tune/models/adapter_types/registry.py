@@ -28,10 +28,17 @@ def is_lora(cfg) -> bool:
     return getattr(cfg, "peft_type", "lora") == "lora"
 
 
-def check(cfg, partitioned: bool) -> None:
-    """Before loading: a type lora-tune doesn't train, LoRA-only options with another type, a
-    quantized base peft has no layers for, a backend that partitions the base first (ZeRO-3) or streams it in
-    (FSDP2) where the type can't be built there, each one line; the options the type has no knob for are said once."""
+def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
+    """Before loading: a type lora-tune doesn't train, LoRA-only options with another type, another
+    type's own options, a quantized base peft has no layers for, a backend that partitions the base first
+    (ZeRO-3) or streams it in (FSDP2) where the type can't be built there, a type with step hooks on a
+    backend whose ranks don't hold every gradient whole (`whole_gradients`), each one line; the options
+    the type has no knob for are said once."""
+    for other in TYPES.values():
+        given = [name for name in other.options if getattr(cfg, name, None) is not None]
+        if given and other.name != cfg.peft_type:
+            flag = "--" + given[0].replace("_", "-")
+            raise UserError(f"{flag} is an option of --peft-type {other.name}, not of {cfg.peft_type}: leave it out (or change the type)")
     if is_lora(cfg):
         return
     kind = TYPES[cfg.peft_type]
@@ -44,6 +51,12 @@ def check(cfg, partitioned: bool) -> None:
     if cfg.precision in ("8bit", "4bit") and not kind.quantized:
         raise UserError(
             f"{flag}: peft has no bitsandbytes layers for {cfg.peft_type}, so it can't adapt a {cfg.precision} base: use --precision bf16"
+        )
+    if kind.step_hooks and not whole_gradients:
+        raise UserError(
+            f"{flag}: its step (the rank allocator, peft's update_and_allocate) reads every adapter gradient whole on every rank "
+            "after the optimizer step, which DeepSpeed and FSDP2 keep partitioned (or free): train it on one device, or on several "
+            "with DDP (--nproc N, no --zero / --backend fsdp)"
         )
     if partitioned and cfg.zero == 3:
         raise UserError(
@@ -68,6 +81,24 @@ def reset_of(cfg):
     """The per-layer init of the run's type (None for LoRA, whose inits lora_tune.models.inits runs, and
     for a type whose layers can't be filled alone)."""
     return None if is_lora(cfg) else TYPES[cfg.peft_type].reset
+
+
+def check_steps(cfg, total_steps: int) -> None:
+    """Before loading, the run's length known: the type's own refusal of it (AdaLoRA's schedule)."""
+    kind = TYPES[getattr(cfg, "peft_type", "lora")]
+    if kind.check_steps:
+        kind.check_steps(cfg, total_steps)
+
+
+def state_bytes(cfg) -> int:
+    """Bytes per trained element the run's type keeps beside the optimizer (its step hooks' state)."""
+    return TYPES[getattr(cfg, "peft_type", "lora")].state_bytes
+
+
+def step_hooks(cfg, peft_model, total_steps: int):
+    """What the run's type does around each optimizer step (base.StepHooks), or None."""
+    kind = TYPES[getattr(cfg, "peft_type", "lora")]
+    return kind.step_hooks(peft_model, total_steps) if kind.step_hooks else None
 
 
 def peft_config(cfg, modules, model_type: str):
