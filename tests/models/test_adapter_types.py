@@ -132,7 +132,7 @@ def test_an_adalora_step_is_peft_own(tiny_model):
         common.clip_and_step(params, our_opt, schedule, None, 0.0, hooks)
     want, got = dict(peft_side.named_parameters()), dict(ours.named_parameters())
     for name, p in want.items():
-        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], p, rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     masked = [int((p == 0).sum()) for name, p in got.items() if "lora_E" in name]
     assert sum(masked) > 0 and masked == [int((p == 0).sum()) for name, p in want.items() if "lora_E" in name]
     # The allocated ranks stay with the hooks, not the config (which would cut the adapter at save).
