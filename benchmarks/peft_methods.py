@@ -45,6 +45,7 @@ METHODS = {
     "lokr": {"peft_type": "lokr"},
     "vera": {"peft_type": "vera"},
     "ia3": {"peft_type": "ia3"},
+    "adalora": {"peft_type": "adalora"},
     "miss": {"peft_type": "miss"},
     "hra": {"peft_type": "hra"},
 }
@@ -101,6 +102,9 @@ if init in ("pissa_niter_4", "olora", "corda", "lora-ga"):  # lora-tune writes t
 if init:
     peft_config.init_lora_weights = init.replace("-", "_")
 peft_config.inference_mode = False
+adalora = peft_config.peft_type == "ADALORA"
+if adalora:  # peft's AdaLoRA loop: the penalty comes with the causal-LM forward's loss, the allocator after each step (below)
+    peft_config.task_type = "CAUSAL_LM"
 tok = AutoTokenizer.from_pretrained(sys.argv[1])
 rows = [json.loads(line) for line in open(sys.argv[2])]
 texts = [f"{r['instruction']} {r['input']} {r['output']}" for r in rows]
@@ -147,8 +151,17 @@ class StepTimes(TrainerCallback):
     def on_step_end(self, *a, **k):
         times.append(time.perf_counter() - self.t)
 trainer.add_callback(StepTimes())
+class Allocate(TrainerCallback):  # HF Trainer doesn't call it: peft's docs put it after the optimizer step, before zero_grad
+    def on_optimizer_step(self, args, state, control, **k):
+        model.base_model.update_and_allocate(state.global_step)
+if adalora:
+    trainer.add_callback(Allocate())
 trainer.train()
 eval_loss = trainer.evaluate()["eval_loss"]
+if adalora:  # peft's forward adds its orthogonality penalty to evaluation's loss too: taken out, as lora-tune's eval loss has none
+    model.eval()
+    with torch.no_grad():
+        eval_loss -= float(model(**first[0]).loss - model.base_model.model(**first[0]).loss)
 t = time.perf_counter()
 model.merge_and_unload().save_pretrained(out + "-merged")
 merge = time.perf_counter() - t

@@ -144,10 +144,10 @@ def test_an_adalora_step_is_peft_own(tiny_model):
 
 
 def test_adalora_resumes_exactly_and_ends_at_its_budget(runs, tiny_model, tmp_path, capsys):
-    """A 4-step run and the same run resumed from its step-2 checkpoint in another folder end bit for bit
+    """A 4-step run on a 4-bit base and the same run resumed from its step-2 checkpoint in another folder end bit for bit
     alike (dropout on); the ranks left are the cubic schedule's budget at the last step; the adapter is
     written whole (every weight at --rank, the masked singular values zero) and loads with stock peft."""
-    args = dict(max_steps=4, save_steps=2, lr=2e-2, peft_type="adalora", rank=6, dropout=0.1)
+    args = dict(max_steps=4, save_steps=2, lr=2e-2, peft_type="adalora", rank=6, dropout=0.1, precision="4bit")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert run_cli(fast_train_args(tiny_model, runs["data"], straight, **args), capsys)[0] == 0
     code, _, err = run_cli(fast_train_args(tiny_model, runs["data"], resumed, **args, resume=str(straight / "checkpoint-2")), capsys)
