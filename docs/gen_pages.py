@@ -16,15 +16,10 @@ import re
 import sys
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from lora_tune import preflight
 from lora_tune.after.options import CheckServingConfig, EvalConfig, ExportConfig, MergeConfig, ReportConfig
 from lora_tune.config import PlanConfig, TrainConfig
 from lora_tune.engines import registry
-from lora_tune.errors import UserError
-from lora_tune.models import options as model_options
-from lora_tune.models.adapter_types import registry as adapter_types
 from lora_tune.models.aliases import ALIASES, architecture
 from lora_tune.options import flag
 from lora_tune.planner.architecture import Architecture
@@ -115,44 +110,27 @@ def matrix_page() -> str:
     )
 
 
-ADAPTER_COLUMNS = {  # column -> the options that select it
-    "one device": {},
-    "DDP": {"backend": "ddp", "nproc": 2},
-    "ZeRO-1/2": {"zero": 2, "nproc": 2},
-    "ZeRO-3": {"zero": 3, "nproc": 2},
-    "FSDP2": {"backend": "fsdp", "nproc": 2},
-    "4-bit, one device": {"precision": "4bit"},
-    "4-bit, FSDP2": {"precision": "4bit", "backend": "fsdp", "nproc": 2},
-}
-
-
 def adapter_matrix() -> str:
-    """One row per adapter type and per LoRA init, one column per setup; each refusal's reason as a
-    numbered note, the row's own name written TYPE or INIT so that rows refused alike share a note."""
-    rows = {"LoRA (peft's init)": ({}, None, "")}
-    for init in (i for i in model_options.LORA_INITS if i != "pissa_niter_N"):
-        rows[f"LoRA `--init-lora-weights {init.replace('_', '-')}`"] = ({"init_lora_weights": init}, init, "INIT")
-    for name in (n for n in adapter_types.TYPES if n != "lora"):
-        rows[f"`--peft-type {name}`"] = ({"peft_type": name}, name, "TYPE")
+    """One row per adapter type and per LoRA init, one column per setup (preflight.adapter_cells); each
+    refusal's reason as a numbered note, the row's own name written TYPE or INIT so that rows refused
+    alike share a note."""
+    cells = preflight.adapter_cells()
+    columns = list(preflight.ADAPTER_SETUPS)
     reasons: list[str] = []
-    lines = ["| adapter | " + " | ".join(ADAPTER_COLUMNS) + " |", "|---|" + "---|" * len(ADAPTER_COLUMNS)]
-    for label, (options, name, placeholder) in rows.items():
-        cells = []
-        for setup in ADAPTER_COLUMNS.values():
-            try:
-                cfg = TrainConfig(base="base", data=["data.jsonl"], output_dir="out", **{"precision": "bf16", **setup, **options})
-                preflight.check_adapter(cfg)
-                cells.append("✓")
+    lines = ["| adapter | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for row in dict.fromkeys(c.row for c in cells):
+        shown = []
+        for cell in (c for c in cells if c.row == row):
+            if cell.refusal is None:
+                shown.append("✓")
                 continue
-            except ValidationError as e:  # an option's own check (an init refused whatever the setup)
-                reason = e.errors()[0]["msg"].removeprefix("Value error, ")
-            except UserError as e:
-                reason = str(e)
-            if name:
-                reason = re.sub(rf"\b({re.escape(name)}|{re.escape(name.replace('_', '-'))})\b", placeholder, reason)
+            reason = cell.refusal
+            if cell.name:
+                name = cell.name
+                reason = re.sub(rf"\b({re.escape(name)}|{re.escape(name.replace('_', '-'))})\b", cell.placeholder, reason)
             reasons += [reason] if reason not in reasons else []
-            cells.append(f"no ({reasons.index(reason) + 1})")
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            shown.append(f"no ({reasons.index(reason) + 1})")
+        lines.append(f"| {row} | " + " | ".join(shown) + " |")
     return "\n".join(lines + [""] + [f"{i}. {reason}" for i, reason in enumerate(reasons, start=1)])
 
 

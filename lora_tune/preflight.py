@@ -16,11 +16,12 @@ import logging
 import math
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
+from pydantic import ValidationError
 
 from lora_tune.after import evaluation, serving
+from lora_tune.config import TrainConfig
 from lora_tune.data.batching import PASS_TOKENS, MicroBatches
 from lora_tune.data.prepare import prepare_data
 from lora_tune.data.prompts import read_eval_prompts
@@ -44,6 +45,7 @@ from lora_tune.models.loading import (
     pick_device,
     quant_method,
 )
+from lora_tune.models.options import LORA_INITS
 from lora_tune.models.processors import ImageText, load_image_text
 from lora_tune.models.shards import base_fingerprint
 from lora_tune.models.structure import is_image_text
@@ -67,9 +69,6 @@ from lora_tune.training.run_folder import (
     run_world_size,
 )
 from lora_tune.training.tools import load_toolbox
-
-if TYPE_CHECKING:
-    from lora_tune.config import TrainConfig
 
 log = logging.getLogger("lora_tune")
 
@@ -119,6 +118,53 @@ def check_adapter(cfg: TrainConfig) -> None:
     adapter_types.check(cfg, partitioned=partitioned, whole_gradients=spec.whole_gradients)
     needs_reference = objective.reference or bool(objective.online and cfg.beta)
     inits.check(cfg, needs_reference=needs_reference, partitioned=partitioned, online=objective.online)
+
+
+# The compatibility matrix's adapter table (docs/reference/matrix.md, and the runs of its accepted
+# cells in tests/engines/test_sharded_runs.py): its setups, one row per LoRA init and adapter type.
+ADAPTER_SETUPS = {  # column -> the options that select it
+    "one device": {},
+    "DDP": {"backend": "ddp", "nproc": 2},
+    "ZeRO-1/2": {"zero": 2, "nproc": 2},
+    "ZeRO-3": {"zero": 3, "nproc": 2},
+    "FSDP2": {"backend": "fsdp", "nproc": 2},
+    "4-bit, one device": {"precision": "4bit"},
+    "4-bit, FSDP2": {"precision": "4bit", "backend": "fsdp", "nproc": 2},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterCell:
+    """One cell of the adapter table: the row's options under the column's setup, and why `train`
+    refuses it (None: accepted). `name` / `placeholder`: the row's own name, and what a shared
+    refusal note writes in its place (INIT, TYPE)."""
+
+    row: str
+    column: str
+    options: dict
+    refusal: str | None
+    name: str | None = None
+    placeholder: str = ""
+
+
+def adapter_cells() -> list[AdapterCell]:
+    rows = {"LoRA (peft's init)": ({}, None, "")}
+    for init in (i for i in LORA_INITS if i != "pissa_niter_N"):
+        rows[f"LoRA `--init-lora-weights {init.replace('_', '-')}`"] = ({"init_lora_weights": init}, init, "INIT")
+    for name in (n for n in adapter_types.TYPES if n != "lora"):
+        rows[f"`--peft-type {name}`"] = ({"peft_type": name}, name, "TYPE")
+    cells = []
+    for row, (options, name, placeholder) in rows.items():
+        for column, setup in ADAPTER_SETUPS.items():
+            refusal = None
+            try:
+                check_adapter(TrainConfig(base="base", data=["data.jsonl"], output_dir="out", **{"precision": "bf16", **setup, **options}))
+            except ValidationError as e:  # an option's own check (an init refused whatever the setup)
+                refusal = e.errors()[0]["msg"].removeprefix("Value error, ")
+            except UserError as e:
+                refusal = str(e)
+            cells.append(AdapterCell(row, column, {**setup, **options}, refusal, name, placeholder))
+    return cells
 
 
 def pass_tokens(cfg: TrainConfig, device: torch.device) -> int | None:

@@ -220,6 +220,10 @@ BAD_INPUT = {
         lambda c: c.train(c.pairs, init_lora_weights="pissa", objective="dpo"),
         "the reference policy (the base without the adapter) would be that residual",
     ),
+    "orthogonal on 4bit": (
+        lambda c: c.train(init_lora_weights="orthogonal", precision="4bit"),
+        "--init-lora-weights orthogonal: peft's orthogonal init casts A and B to the base weight's storage dtype",
+    ),
     "orthogonal odd rank": (lambda c: c.train(init_lora_weights="orthogonal", rank=3), "pass an even --rank, not 3"),
     "rank pattern without =R": (
         lambda c: c.train(rank_pattern=["down_proj"]),

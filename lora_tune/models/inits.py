@@ -140,6 +140,11 @@ def check(cfg, needs_reference: bool, partitioned: bool = False, online: bool = 
         raise UserError(
             f"--init-lora-weights orthogonal splits the rank into two halves (so that B A = 0): pass an even --rank, not {cfg.rank}"
         )
+    if init == "orthogonal" and cfg.precision in ("8bit", "4bit"):
+        raise UserError(
+            f"--init-lora-weights orthogonal: peft's orthogonal init casts A and B to the base weight's storage dtype, an integer "
+            f"one on a {cfg.precision} base, where they can't train: use gaussian (or the default), or --precision bf16"
+        )
     if not changes_base(init):
         return
     what = f"--init-lora-weights {init.replace('_', '-')} moves part of each weight into the adapter and trains the residual base"

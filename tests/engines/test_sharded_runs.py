@@ -22,6 +22,7 @@ from lora_tune.engines.registry import Cell, supported_cells
 from lora_tune.engines.state import load_safe_state
 from lora_tune.planner.architecture import load_architecture
 from lora_tune.planner.memory import base_weight_bytes
+from lora_tune.preflight import adapter_cells
 
 from families import build_family
 from helpers import (
@@ -137,6 +138,20 @@ LORAPLUS = {
     "zero3-offload-loraplus": dict(zero=3, offload="cpu"),
     "ddp-loraplus": dict(backend="ddp"),  # DDP once built its optimizer without LoRA+'s groups: B moved at 1 x lr
 }
+# Every accepted multi-process cell of the matrix's adapter table (preflight.adapter_cells) but plain LoRA's
+# (SHARDED_CELLS): one step, fp32 (4-bit where the column says), against one process's first loss.
+ADAPTER_CELLS = [c for c in adapter_cells() if c.refusal is None and "nproc" in c.options and c.name]
+
+
+def adapter_cell_id(cell) -> str:
+    return "cell-" + re.sub(r"[^a-z0-9]+", "-", f"{cell.column}-{cell.name}".lower()).strip("-")
+
+
+def adapter_cell_args(cell) -> dict:
+    options = {k: v for k, v in cell.options.items() if k != "nproc"}
+    return {**options, "precision": "4bit" if options.get("precision") == "4bit" else "fp32"}
+
+
 EXACT = ("fsdp", "ddp")  # backends whose 2 ranks of one micro-batch each are one process to the bit
 KILL_ARGS = dict(max_steps=24, save_steps=2, dropout=0.1, grad_accum=2, micro_batch_size=2, lr=5e-3)
 
@@ -236,6 +251,9 @@ def jobs(tiny_model, tmp_path_factory):
         add(f"{name}-resumed", fast_train_args(tiny_model, data, root / f"{name}-resumed", **RUN_ARGS, **kw, resume=True))
     for name, kw in LORAPLUS.items():
         add(name, fast_train_args(tiny_model, data, root / name, **LORAPLUS_RUN, **kw, grad_accum=1, loraplus_lr_ratio=LORAPLUS_RATIO))
+    for cell in ADAPTER_CELLS:
+        name = adapter_cell_id(cell)
+        add(name, fast_train_args(tiny_model, data, root / name, **adapter_cell_args(cell), max_steps=1, grad_accum=1, optim="adamw_8bit"))
     add("fsdp-kill-reference", fast_train_args(tiny_model, data, root / "fsdp-kill-reference", **KILL_ARGS, backend="fsdp"))
     add("zero2-kill-reference", fast_train_args(tiny_model, data, root / "zero2-kill-reference", **KILL_ARGS, zero=2))
     add("ddp-kill-reference", fast_train_args(tiny_model, data, root / "ddp-kill-reference", **KILL_ARGS))  # no backend named: DDP
@@ -262,6 +280,19 @@ def test_every_accepted_cell_trains_the_one_device_loss(cell, jobs, tiny_model, 
     """Each cell of the matrix that `train` accepts runs, and two ranks compute what one process
     computes: the first step's loss (before any update) over the same 2 micro-batches."""
     precision = cell.precision
+    want = one_device_step1(precision, jobs, tiny_model, tmp_path, capsys)
+    out, err = run_of(jobs, CELL_IDS[SHARDED_CELLS.index(cell)])
+    # fp32 agrees to float rounding; bf16 compute (bf16, 8bit, 4bit) to well under one bf16 ulp of
+    # the loss (2^-8 relative): offloading changes where, not what, the matmuls compute.
+    tolerance = dict(abs=1e-5) if precision == "fp32" else dict(rel=2e-4)
+    assert step_losses(out)[0] == pytest.approx(want, **tolerance)
+    tensors = adapter(out)
+    assert len(tensors) == 28 and all(t.shape[0 if "lora_A" in k else 1] == 4 for k, t in tensors.items())
+    assert f"{cell.backend} backend" in err
+
+
+def one_device_step1(precision: str, jobs, tiny_model, tmp_path, capsys) -> float:
+    """One process's first loss (plain LoRA, before any update) over the 2 micro-batches 2 ranks share."""
     if precision not in ONE_DEVICE_STEP1:
         one = tmp_path / "one"
         code, _, err = run_cli(
@@ -272,14 +303,21 @@ def test_every_accepted_cell_trains_the_one_device_loss(cell, jobs, tiny_model, 
         )
         assert code == 0, err
         ONE_DEVICE_STEP1[precision] = step_losses(one)[0]
-    out, err = run_of(jobs, CELL_IDS[SHARDED_CELLS.index(cell)])
-    # fp32 agrees to float rounding; bf16 compute (bf16, 8bit, 4bit) to well under one bf16 ulp of
-    # the loss (2^-8 relative): offloading changes where, not what, the matmuls compute.
-    tolerance = dict(abs=1e-5) if precision == "fp32" else dict(rel=2e-4)
-    assert step_losses(out)[0] == pytest.approx(ONE_DEVICE_STEP1[precision], **tolerance)
-    tensors = adapter(out)
-    assert len(tensors) == 28 and all(t.shape[0 if "lora_A" in k else 1] == 4 for k, t in tensors.items())
-    assert f"{cell.backend} backend" in err
+    return ONE_DEVICE_STEP1[precision]
+
+
+@pytest.mark.parametrize("cell", ADAPTER_CELLS, ids=[adapter_cell_id(c) for c in ADAPTER_CELLS])
+def test_every_accepted_adapter_cell_trains_from_the_base_function(cell, jobs, tiny_model, tmp_path, capsys):
+    """Each init and adapter type the adapter table accepts on several ranks runs a step there, from
+    the base's function: its first loss is one process's plain-LoRA loss over the same micro-batches
+    (every init and type starts as the base), and it writes its adapter."""
+    out, err = run_of(jobs, adapter_cell_id(cell))
+    args = adapter_cell_args(cell)
+    want = one_device_step1(args["precision"], jobs, tiny_model, tmp_path, capsys)
+    tolerance = dict(abs=1e-5) if args["precision"] == "fp32" else dict(rel=2e-4)
+    assert step_losses(out)[0] == pytest.approx(want, **tolerance)
+    assert f"{args.get('backend') or 'deepspeed'} backend" in err
+    assert adapter(out) and json.loads((out / "adapter_config.json").read_text())["peft_type"] == args.get("peft_type", "lora").upper()
 
 
 def test_fsdp_qlora_on_a_converted_moe_checkpoint_equals_one_process(jobs, tmp_path, capsys):

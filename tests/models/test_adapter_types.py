@@ -16,6 +16,7 @@ from lora_tune.cli import main
 from lora_tune.engines import common
 from lora_tune.models.adapter_types import adalora
 from lora_tune.models.adapter_types.registry import TYPES
+from lora_tune.preflight import adapter_cells
 
 from helpers import ALPACA, adapter_tensors, assert_bit_identical, fast_train_args, run_cli, single_error_line, step_losses, write_jsonl
 
@@ -163,3 +164,21 @@ def test_adalora_resumes_exactly_and_ends_at_its_budget(runs, tiny_model, tmp_pa
     assert sum(int((t != 0).sum()) for t in values) == budget
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), straight)
     assert (logits(peft_model) - logits(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))).abs().max() > 1e-3
+
+
+FOUR_BIT_ONE_DEVICE = [c for c in adapter_cells() if c.refusal is None and c.column == "4-bit, one device" and c.name]
+
+
+@pytest.mark.parametrize("cell", FOUR_BIT_ONE_DEVICE, ids=[c.name for c in FOUR_BIT_ONE_DEVICE])
+def test_every_accepted_four_bit_cell_trains_from_the_base_function(cell, runs, tiny_model, tmp_path, capsys):
+    """The adapter table's 4-bit one-device cells (the init or type on an NF4 base): a step from the base's
+    function, plain LoRA's first loss on the same base, and the adapter written."""
+    args = dict(precision="4bit", max_steps=1, optim="adamw_8bit")
+    losses = {}
+    for name, options in (("plain", {}), (cell.name, {k: v for k, v in cell.options.items() if k != "precision"})):
+        code, _, err = run_cli(fast_train_args(tiny_model, runs["data"], tmp_path / name, **args, **options), capsys)
+        assert code == 0, err
+        losses[name] = step_losses(tmp_path / name)[0]
+    # bf16 compute through each type's own 4-bit layer path: well under one bf16 ulp of the loss (2^-8 relative).
+    assert losses[cell.name] == pytest.approx(losses["plain"], rel=2e-4)
+    assert adapter_tensors(tmp_path / cell.name)
