@@ -68,8 +68,9 @@ class LoraOptions(Options):
         json_schema_extra=ADAPTER_SHAPE,
         description="peft's adapter type: lora (default), oft, boft, loha, lokr, vera, ia3, adalora, miss, hra. --rank/--alpha/"
         "--dropout go to the type's own knobs (OFT/BOFT: block size; IA3: none; AdaLoRA: the starting rank), an unused one said "
-        "once; LoRA-only options are refused with another type. One process, DDP, ZeRO-1/2 (not adalora), and FSDP2 for loha, "
-        "lokr, ia3, miss, hra; merged through peft; vLLM and llama.cpp serve LoRA only (merge first).",
+        "once; LoRA-only options are refused with another type. Every type on one process and DDP; ZeRO-1/2 and ZeRO-3 but "
+        "adalora (and loha on ZeRO-3); FSDP2 for loha, lokr, ia3, miss, hra; merged through peft; vLLM and llama.cpp serve LoRA "
+        "only (merge first); the matrix's adapter table has each cell.",
     )
     rank: int = Field(
         16,

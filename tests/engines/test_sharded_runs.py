@@ -126,12 +126,16 @@ COMPILED = {
 COMPILED_ARGS = {**RUN_ARGS, "grad_accum": 1, "max_steps": 2}
 MOE_ARGS = dict(precision="4bit", max_steps=1, grad_accum=1, micro_batch_size=2, optim="adamw_8bit")
 # Another adapter type (LoHa) under ZeRO-2, resumed from step 2 (the RESUMED pattern; its tensors are not LoRA pairs).
-TYPED = {"zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2)}
+TYPED = {
+    "zero2-loha": dict(zero=2, peft_type="loha", dropout=0.1, optim="adamw", lr=5e-2),
+    # VeRA under ZeRO-3: peft puts it on the partitioned base (its shared projections sized from the layers' features).
+    "zero3-vera": dict(zero=3, peft_type="vera", dropout=0.1, optim="adamw", lr=5e-2),
+}
 # Another type on 2 ranks, one micro-batch each, against one process: LoHa under FSDP2 (each layer's adapter
 # drawn where the streamed layer is filled, seeded by its name as on one process); AdaLoRA under DDP (its
 # penalty and rank allocation on every rank alike, from the all-reduced gradients).
 TYPED_EXACT = {"fsdp-loha": dict(backend="fsdp", peft_type="loha"), "ddp-adalora": dict(backend="ddp", peft_type="adalora", lr=2e-2)}
-TYPE_TENSORS = {"loha": "hada_", "adalora": "lora_"}
+TYPE_TENSORS = {"loha": "hada_", "adalora": "lora_", "vera": "vera_"}
 # LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards, DeepSpeed's CPU Adam on offloaded states, DDP.
 LORAPLUS = {
     "fsdp-loraplus": dict(backend="fsdp"),
@@ -148,6 +152,7 @@ TRAINED_ELSEWHERE = {
     ("ZeRO-3", "pissa"),
     ("FSDP2", "pissa"),
     ("ZeRO-1/2", "eva"),
+    ("ZeRO-3", "vera"),
 }
 ADAPTER_CELLS = [
     c for c in adapter_cells() if c.refusal is None and "nproc" in c.options and c.name and (c.column, c.name) not in TRAINED_ELSEWHERE
@@ -454,7 +459,7 @@ def test_another_adapter_type_trains_on_two_ranks_and_resumes_bit_identical(name
     resumed, resumed_err = run_of(jobs, f"{name}-resumed")
     assert "deepspeed backend" in err and "resumed from" in resumed_err
     tensors = adapter(full)
-    assert tensors and all("hada_" in k for k in tensors)
+    assert tensors and all(TYPE_TENSORS[TYPED[name]["peft_type"]] in k for k in tensors)
     assert_bit_identical(tensors, adapter(resumed))
     assert step_losses(full)[-1] < step_losses(full)[0]
 

@@ -41,6 +41,9 @@ class AdapterType:
     quantized: bool = False
     refusal: str | None = None  # why lora-tune doesn't train it yet
     reset: Callable | None = None
+    # peft builds it on a base ZeRO-3 has already partitioned (it sizes the adapter from each layer's
+    # in/out features or DeepSpeed's ds_shape; LoHa reads the weight's own shape, empty on every rank).
+    partitioned_base: bool = True
     step_hooks: Callable[..., StepHooks] | None = None
     check_steps: Callable | None = None
     state_bytes: int = 0  # per trained element, kept by the step hooks beside the optimizer (the planner counts it)

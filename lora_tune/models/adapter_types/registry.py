@@ -58,16 +58,17 @@ def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
             "after the optimizer step, which DeepSpeed and FSDP2 keep partitioned (or free): train it on one device, or on several "
             "with DDP (--nproc N, no --zero / --backend fsdp)"
         )
-    if partitioned and cfg.zero == 3:
+    if cfg.zero == 3 and not kind.partitioned_base:
         raise UserError(
             f"{flag}: peft sizes a {cfg.peft_type} adapter from each base weight's shape, and ZeRO-3 has partitioned the base "
             "before the adapter goes in (every rank sees empty weights): "
             + ("use --backend fsdp (it fills each layer's adapter as the base streams in) or --zero 2" if kind.reset else "use --zero 2")
         )
-    if partitioned and kind.reset is None:
+    if partitioned and cfg.zero != 3 and kind.reset is None:  # ZeRO-3 puts the adapter in once the base is loaded (partitioned)
         raise UserError(
             f"{flag}: this backend streams the base in and fills each layer's adapter there, and a {cfg.peft_type} layer can't be "
-            "filled alone (its adapter depends on the others' or on real values): use --zero 1 or --zero 2"
+            "filled alone (its adapter depends on the others' or on real values): use --zero 1, 2 or 3 (ZeRO-3 puts the adapter in "
+            "once the base is partitioned)"
         )
     ignored = [f"--{option}" for option, knob in kind.knobs.items() if knob is None]
     if ignored:
