@@ -31,7 +31,7 @@ class AdapterType:
     seeded by the layer's name, so a layer filled where it is loaded (FSDP2 streams the base in) starts
     as on one process; None where a layer can't be filled alone (VeRA's projections are shared by
     every layer; BOFT's butterfly permutations are computed on real values; OFT's rotation modules keep
-        index buffers that layer-by-layer loading can't rebuild). `step_hooks`: what the type does around
+    index buffers that layer-by-layer loading can't rebuild). `step_hooks`: what the type does around
     each optimizer step (StepHooks), None for most; `check_steps(cfg, total_steps)`: its refusal of a
     run length, before loading."""
 
@@ -39,7 +39,6 @@ class AdapterType:
     build: Callable
     knobs: dict[str, str | None]
     quantized: bool = False
-    refusal: str | None = None  # why lora-tune doesn't train it yet
     reset: Callable | None = None
     # peft builds it on a base ZeRO-3 has already partitioned (it sizes the adapter from each layer's
     # in/out features or DeepSpeed's ds_shape; LoHa reads the weight's own shape, empty on every rank).

@@ -29,11 +29,11 @@ def is_lora(cfg) -> bool:
 
 
 def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
-    """Before loading: a type lora-tune doesn't train, LoRA-only options with another type, another
-    type's own options, a quantized base peft has no layers for, a backend that partitions the base first
-    (ZeRO-3) or streams it in (FSDP2) where the type can't be built there, a type with step hooks on a
-    backend whose ranks don't hold every gradient whole (`whole_gradients`), each one line; the options
-    the type has no knob for are said once."""
+    """Before loading: LoRA-only options with another type, another type's own options, a quantized
+    base peft has no layers for, a backend that partitions the base first (ZeRO-3) or streams it in
+    (FSDP2) where the type can't be built there, a type with step hooks on a backend whose ranks don't
+    hold every gradient whole (`whole_gradients`), each one line; the options the type has no knob for
+    are said once."""
     for other in TYPES.values():
         given = [name for name in other.options if getattr(cfg, name, None) is not None]
         if given and other.name != cfg.peft_type:
@@ -43,8 +43,6 @@ def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
         return
     kind = TYPES[cfg.peft_type]
     flag = f"--peft-type {cfg.peft_type}"
-    if kind.refusal:
-        raise UserError(f"{flag}: {kind.refusal}")
     for option, given in LORA_ONLY.items():
         if given(cfg):
             raise UserError(f"{option} is a LoRA option; {flag} has no such thing: leave it out (or use --peft-type lora)")
