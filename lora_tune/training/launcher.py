@@ -65,25 +65,13 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
     forward = lambda signum, frame: [p.send_signal(signum) for p in ranks if p.poll() is None]  # noqa: E731
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        first_failure = None
-        while any(p.poll() is None for p in ranks):
-            failed = [(r, p.poll()) for r, p in enumerate(ranks) if p.poll() not in (None, 0, 130, 143)]
-            if failed and first_failure is None:
-                first_failure = (*cause(failed), time.monotonic())
-            # Once a rank has failed, the job can't go on: the others get a few seconds to notice
-            # (their collectives fail) and are then killed, so none is left waiting.
-            if first_failure and time.monotonic() - first_failure[2] > 5:
-                for p in ranks:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.1)
-        codes = [p.wait() for p in ranks]
+        failures, codes = watch(ranks)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    if first_failure is None:
+    if not failures:
         return next((c for c in codes if c != 0), 0)
-    r, code, _ = first_failure
+    r, code = cause(list(failures.items()))
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     if code == -signal.SIGKILL:
         how += " (the out-of-memory killer sends this)"
@@ -93,15 +81,44 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
     return 128 - code if code < 0 else code
 
 
+STOPPED = (0, 130, 143)  # exit codes of a rank that finished, or stopped on SIGINT / SIGTERM as asked
+GRACE_S = 5.0  # how long the other ranks get to notice a failed rank before they are killed
+
+
+def watch(ranks: list, poll_s: float = 0.1) -> tuple[dict[int, int], list[int]]:
+    """Wait for every rank; returns ({rank: exit code} of the ranks that failed on their own, every
+    rank's exit code). Once a rank has failed the job can't go on: the others get GRACE_S to notice
+    (their collectives fail) and are then killed, so none is left waiting. Every failure seen within
+    those seconds is a candidate for the cause (`cause`), since a survivor can exit before the
+    killed rank it lost is reaped; the ranks killed here are not."""
+    failures: dict[int, int] = {}
+    first_at = None
+    while any(p.poll() is None for p in ranks):
+        failures.update({r: p.poll() for r, p in enumerate(ranks) if p.poll() not in (None, *STOPPED)})
+        if failures and first_at is None:
+            first_at = time.monotonic()
+        if first_at is not None and time.monotonic() - first_at > GRACE_S:
+            break
+        time.sleep(poll_s)
+    else:  # every rank ended on its own
+        codes = [p.wait() for p in ranks]
+        failures.update({r: c for r, c in enumerate(codes) if c not in STOPPED})
+        return failures, codes
+    for p in ranks:
+        if p.poll() is None:
+            p.kill()
+    return failures, [p.wait() for p in ranks]
+
+
 LOST_PEER_EXIT = 75  # a rank's exit code when another rank died under it
 
 
 def cause(failed: list[tuple[int, int]]) -> tuple[int, int]:
-    """(rank, exit code) of the failure that ended the job, among those seen at one poll. A rank
-    that lost its peers is a consequence; the one that died is the cause. A rank killed by a signal
-    comes before one that exited with a code: the survivor may die of the lost collective in a way
-    not recognised as such (DeepSpeed's CPU collectives under ZeRO-2 exited with 250), and a loaded
-    machine polls late enough to see both."""
+    """(rank, exit code) of the failure that ended the job, among the ranks that ended on their own
+    within seconds of the first. A rank that lost its peers is a consequence; the one that died is
+    the cause. A rank killed by a signal comes before one that exited with a code: the survivor may
+    die of the lost collective in a way not recognised as such (DeepSpeed's CPU collectives under
+    ZeRO-2 exited with 250), and may do so before the killed rank is reaped."""
     return min(failed, key=lambda rc: (rc[1] == LOST_PEER_EXIT, rc[1] >= 0))
 
 

@@ -115,3 +115,38 @@ def test_a_lost_peer_is_told_from_a_bug_only_within_a_process_group(tmp_path):
 )
 def test_the_cause_of_a_failed_job_is_the_rank_that_died(failed, expected):
     assert launcher.cause(failed) == expected
+
+
+class ExitingRank:
+    """A rank the watcher polls: running for `polls` polls, then ended with `code` (None: runs until killed)."""
+
+    def __init__(self, code, polls):
+        self.code, self.polls, self.killed = code, polls, False
+
+    def poll(self):
+        if self.killed:
+            return -signal.SIGKILL
+        self.polls -= 1
+        return self.code if self.code is not None and self.polls < 0 else None
+
+    def wait(self):
+        return self.poll()
+
+    def kill(self):
+        self.killed = True
+
+
+def test_a_survivor_exiting_before_the_killed_rank_is_reaped_is_not_named_the_cause():
+    """The out-of-memory killer's SIGKILL to rank 1 can take longer to reap than rank 0 takes to
+    exit of the lost collective (250 under ZeRO-2): rank 1 is still the cause."""
+    ranks = [ExitingRank(250, polls=3), ExitingRank(-signal.SIGKILL, polls=12)]
+    failures, codes = launcher.watch(ranks, poll_s=0.001)
+    assert failures == {0: 250, 1: -signal.SIGKILL} and codes == [250, -signal.SIGKILL]
+    assert launcher.cause(list(failures.items())) == (1, -signal.SIGKILL)
+
+
+def test_ranks_still_running_after_the_grace_seconds_are_killed_and_not_counted(monkeypatch):
+    monkeypatch.setattr(launcher, "GRACE_S", 0.05)
+    ranks = [ExitingRank(1, polls=2), ExitingRank(None, polls=0)]
+    failures, codes = launcher.watch(ranks, poll_s=0.001)
+    assert ranks[1].killed and failures == {0: 1} and codes == [1, -signal.SIGKILL]
