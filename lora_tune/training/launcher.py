@@ -86,8 +86,8 @@ GRACE_S = 5.0  # how long the other ranks get to notice a failed rank before the
 
 
 def watch(ranks: list, poll_s: float = 0.1) -> tuple[dict[int, int], list[int]]:
-    """Wait for every rank; returns ({rank: exit code} of the ranks that failed on their own, every
-    rank's exit code). Once a rank has failed the job can't go on: the others get GRACE_S to notice
+    """Wait for every rank; returns ({rank: exit code} of the ranks that failed on their own while
+    others ran, or were killed, every rank's exit code). Once a rank has failed the job can't go on: the others get GRACE_S to notice
     (their collectives fail) and are then killed, so none is left waiting. Every failure seen within
     those seconds is a candidate for the cause (`cause`), since a survivor can exit before the
     killed rank it lost is reaped; the ranks killed here are not."""
@@ -100,9 +100,9 @@ def watch(ranks: list, poll_s: float = 0.1) -> tuple[dict[int, int], list[int]]:
         if first_at is not None and time.monotonic() - first_at > GRACE_S:
             break
         time.sleep(poll_s)
-    else:  # every rank ended on its own
+    else:  # every rank ended on its own: those that exited with a code said why themselves; a killed one can't
         codes = [p.wait() for p in ranks]
-        failures.update({r: c for r, c in enumerate(codes) if c not in STOPPED})
+        failures.update({r: c for r, c in enumerate(codes) if c < 0})
         return failures, codes
     for p in ranks:
         if p.poll() is None:

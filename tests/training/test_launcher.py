@@ -150,3 +150,10 @@ def test_ranks_still_running_after_the_grace_seconds_are_killed_and_not_counted(
     ranks = [ExitingRank(1, polls=2), ExitingRank(None, polls=0)]
     failures, codes = launcher.watch(ranks, poll_s=0.001)
     assert ranks[1].killed and failures == {0: 1} and codes == [1, -signal.SIGKILL]
+
+
+def test_ranks_that_all_exit_with_a_code_at_once_said_why_themselves():
+    """Each rank refused the same input (its own `error:` line, exit 2) before the watcher saw either: no
+    cause for the launcher to name; a rank killed meanwhile is one."""
+    assert launcher.watch([ExitingRank(2, polls=0), ExitingRank(2, polls=0)], poll_s=0.001) == ({}, [2, 2])
+    assert launcher.watch([ExitingRank(2, polls=0), ExitingRank(-9, polls=0)], poll_s=0.001) == ({1: -9}, [2, -9])
