@@ -12,6 +12,7 @@ rest of lora-tune neither needs it nor pays its start-up time.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -47,13 +48,36 @@ def require_lm_eval():
         raise UserError('eval: lm-evaluation-harness is missing; pip install "lora-tune[eval]" (or pip install lm-eval)') from None
 
 
+# lm-eval's registry takes ~6 s to build (it indexes every task file it ships): built once per process
+# for each state of --include (its task files' contents), so a notebook's or a script's second
+# evaluation starts at once and an added, edited or removed task file is indexed anew.
+TASK_MANAGERS: dict[tuple, object] = {}
+
+
 def task_manager(include: str | None):
     """lm-eval's registry, plus the task YAMLs under `include`."""
     from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency (the [eval] extra)
 
     if include is not None and not Path(include).expanduser().is_dir():
         raise UserError(f"--include: {include} is not a folder; give the folder holding your task YAML files")
-    return TaskManager(include_path=str(Path(include).expanduser()) if include else None)
+    folder = str(Path(include).expanduser().resolve()) if include else None
+    key = (folder, task_files(Path(folder)) if folder else ())
+    if key not in TASK_MANAGERS:
+        TASK_MANAGERS[key] = TaskManager(include_path=folder)
+    return TASK_MANAGERS[key]
+
+
+def task_files(folder: Path) -> tuple:
+    """(relative path, digest of the content) of every YAML file under `folder`: what lm-eval indexes
+    (the data files it names are read when a task is built)."""
+    state = []
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in (".yaml", ".yml")):
+        try:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError as e:  # a dangling link, a folder: lm-eval says what it makes of it
+            digest = type(e).__name__
+        state.append((str(path.relative_to(folder)), digest))
+    return tuple(state)
 
 
 def check_tasks(manager, tasks: list[str]) -> None:

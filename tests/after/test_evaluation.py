@@ -13,7 +13,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import lora_tune
-from lora_tune.after.evaluation import flat_metrics, run_tasks
+from lora_tune.after.evaluation import flat_metrics, run_tasks, task_manager
 from lora_tune.cli import main
 
 from helpers import ALPACA, fast_train_args, read_metrics, run_cli, single_error_line, write_jsonl
@@ -175,3 +175,17 @@ def test_eval_of_a_base_model_folder_asks_for_an_output(run_and_tasks, tiny_mode
         ["eval", tiny_model, "--tasks", "tiny_add", "--include", tasks, "--limit", "2", "--output", tmp_path / "b.json"], capsys
     )
     assert code == 0 and json.loads((tmp_path / "b.json").read_text())["limit"] == 2, err
+
+
+def test_lm_evals_registry_is_built_once_per_state_of_the_include_folder(tmp_path):
+    """Built once per process (it takes seconds), and again when a task file under --include is
+    added, edited or removed: a renamed task is never looked up in a stale registry."""
+    tasks = write_task(tmp_path / "tasks")
+    first = task_manager(str(tasks))
+    assert task_manager(str(tasks)) is first and "tiny_add" in first.all_tasks
+    renamed = (tasks / "tiny_add.yaml").read_text().replace("task: tiny_add", "task: tiny_sum")
+    (tasks / "tiny_add.yaml").write_text(renamed)
+    edited = task_manager(str(tasks))
+    assert edited is not first and "tiny_sum" in edited.all_tasks and "tiny_add" not in edited.all_tasks
+    (tasks / "tiny_add.yaml").unlink()
+    assert "tiny_sum" not in task_manager(str(tasks)).all_tasks
