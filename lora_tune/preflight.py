@@ -115,7 +115,7 @@ def check_adapter(cfg: TrainConfig) -> None:
     objective = objectives.of(cfg)
     spec = engines.spec_of(cfg)
     partitioned = cfg.zero == 3 or spec.loads_layer_by_layer(cfg.precision, cfg.zero)
-    adapter_types.check(cfg, partitioned=partitioned, whole_gradients=spec.whole_gradients)
+    adapter_types.check(cfg, whole_gradients=spec.whole_gradients)
     needs_reference = objective.reference or bool(objective.online and cfg.beta)
     inits.check(cfg, needs_reference=needs_reference, partitioned=partitioned, online=objective.online)
 

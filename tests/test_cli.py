@@ -266,9 +266,9 @@ BAD_INPUT = {
         lambda c: c.train(peft_type="loha", precision="4bit"),
         "--peft-type loha: peft has no bitsandbytes layers for loha, so it can't adapt a 4bit base",
     ),
-    "type under fsdp": (
-        lambda c: c.train(peft_type="vera", backend="fsdp"),
-        "--peft-type vera: this backend streams the base in and fills each layer's adapter there, and a vera layer can't be",
+    "type with step hooks under fsdp": (
+        lambda c: c.train(peft_type="adalora", backend="fsdp"),
+        "--peft-type adalora: its step (the rank allocator, peft's update_and_allocate) reads every adapter gradient whole",
     ),
     "type under zero-3": (
         lambda c: c.train(peft_type="loha", zero=3),

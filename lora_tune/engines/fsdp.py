@@ -197,8 +197,12 @@ class FSDPEngine:
 
     # --- checkpoints ---------------------------------------------------------------------------
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        """Only the LoRA shards are gathered (small), never the base."""
+        """Only the LoRA shards are gathered (small), never the base; with them the adapter's own
+        model-level buffers, whole on every rank (VeRA's shared projections, saved with it)."""
         full = {n.removeprefix("peft_model."): p.full_tensor().detach().cpu() for n, p in self._lora_params()}
+        for n, b in self.model.peft_model.named_buffers(remove_duplicate=False):
+            if not n.startswith("base_model.model."):
+                full[n] = b.detach().cpu()
         return trainable_state_dict(self.model.peft_model, full)
 
     def save_state(self, folder: Path) -> None:

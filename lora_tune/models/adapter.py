@@ -168,6 +168,8 @@ def add_lora(model, cfg, base_id: str, targets: Targets | None = None, checkpoin
     for name, layer in lora_layers(peft_model):
         if not is_meta(layer):  # a meta skeleton gets its values layer by layer (lora_tune.models.layerwise)
             init_lora_layer(layer, name, cfg.seed, cfg.init_lora_weights)
+    if any(tuner_is_meta(layer) for _, layer in tuner_layers(peft_model)):
+        adapter_types.draw_fixed(cfg, peft_model)  # before the layers stream in (they hold them)
     for name, layer in tuner_layers(peft_model) if reset else ():
         if not tuner_is_meta(layer):  # drawn as layer-by-layer loading draws them
             reset_tuner_layer(layer, name, cfg.seed, reset)
@@ -243,11 +245,22 @@ def materialize_adapter(unit, unit_name: str, seed: int, device: torch.device, i
             if isinstance(item, torch.nn.Parameter):
                 container["default"] = torch.nn.Parameter(torch.empty_like(item, device=device))
             else:
-                item.to_empty(device=device)
+                empty_meta_tensors(item, device)
         reset_tuner_layer(layer, name, seed, reset)
         for p in tuner_weights(layer):  # some resets make new parameters on the default device
             p.data = p.data.to(device)
         to_fp32(layer)
+
+
+def empty_meta_tensors(module, device: torch.device) -> None:
+    """`module`'s meta parameters and buffers made empty tensors on `device`, its real ones (a type's
+    fixed tensors, made real before loading: AdapterType.fixed) moved there unchanged."""
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            fresh = torch.empty_like(p, device=device) if p.device.type == "meta" else p.data.to(device)
+            setattr(sub, name, torch.nn.Parameter(fresh, requires_grad=p.requires_grad))
+        for name, b in list(sub.named_buffers(recurse=False)):
+            sub._buffers[name] = torch.empty_like(b, device=device) if b.device.type == "meta" else b.to(device)
 
 
 def tuner_layers(module, prefix: str = ""):

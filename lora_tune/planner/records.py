@@ -48,6 +48,8 @@ class Setup:
     adapter_sizes: tuple[int, ...] | None = None
     # Bytes per trained element the adapter type keeps beside the optimizer (AdaLoRA's allocator: three fp32 scores).
     adapter_state_bytes: int = 0
+    # Bytes of the adapter's fixed tensors, whole on every rank (BOFT's permutation matrices).
+    adapter_fixed_bytes: int = 0
 
     @property
     def world(self) -> int:

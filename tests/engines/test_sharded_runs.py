@@ -131,11 +131,17 @@ TYPED = {
     # VeRA under ZeRO-3: peft puts it on the partitioned base (its shared projections sized from the layers' features).
     "zero3-vera": dict(zero=3, peft_type="vera", dropout=0.1, optim="adamw", lr=5e-2),
 }
-# Another type on 2 ranks, one micro-batch each, against one process: LoHa under FSDP2 (each layer's adapter
-# drawn where the streamed layer is filled, seeded by its name as on one process); AdaLoRA under DDP (its
-# penalty and rank allocation on every rank alike, from the all-reduced gradients).
-TYPED_EXACT = {"fsdp-loha": dict(backend="fsdp", peft_type="loha"), "ddp-adalora": dict(backend="ddp", peft_type="adalora", lr=2e-2)}
-TYPE_TENSORS = {"loha": "hada_", "adalora": "lora_", "vera": "vera_"}
+# Another type on 2 ranks, one micro-batch each, against one process: under FSDP2 LoHa (each layer's adapter
+# drawn where the streamed layer is filled, seeded by its name as on one process), VeRA (its shared
+# projections drawn before the base streams in) and OFT (its index buffers rebuilt then); AdaLoRA under DDP
+# (its penalty and rank allocation on every rank alike, from the all-reduced gradients).
+TYPED_EXACT = {
+    "fsdp-loha": dict(backend="fsdp", peft_type="loha"),
+    "fsdp-vera": dict(backend="fsdp", peft_type="vera", lr=5e-2),
+    "fsdp-oft": dict(backend="fsdp", peft_type="oft", lr=5e-2),
+    "ddp-adalora": dict(backend="ddp", peft_type="adalora", lr=2e-2),
+}
+TYPE_TENSORS = {"loha": "hada_", "adalora": "lora_", "vera": "vera_", "oft": "oft_R"}
 # LoRA+ on 2 ranks, one micro-batch each: FSDP2's local shards, DeepSpeed's CPU Adam on offloaded states, DDP.
 LORAPLUS = {
     "fsdp-loraplus": dict(backend="fsdp"),
@@ -148,6 +154,8 @@ LORAPLUS = {
 TRAINED_ELSEWHERE = {
     ("DDP", "adalora"),
     ("FSDP2", "loha"),
+    ("FSDP2", "vera"),
+    ("FSDP2", "oft"),
     ("ZeRO-1/2", "loha"),
     ("ZeRO-3", "pissa"),
     ("FSDP2", "pissa"),
@@ -468,8 +476,9 @@ def test_another_adapter_type_trains_on_two_ranks_and_resumes_bit_identical(name
 @pytest.mark.parametrize("name", list(TYPED_EXACT))
 def test_another_type_on_two_ranks_is_one_process_bit_for_bit(name, jobs, tiny_model, tmp_path, capsys):
     """A LoHa adapter filled layer by layer as FSDP2 streams the base in starts where one process's
-    does (peft's per-layer init, seeded by the layer's name) and trains the same, to the bit; AdaLoRA's
-    ranks under DDP allocate as one process's (every singular value masked alike)."""
+    does (peft's per-layer init, seeded by the layer's name) and trains the same, to the bit; so do
+    VeRA (the shared projections it multiplies by) and OFT (the rotations built through its index
+    buffers); AdaLoRA's ranks under DDP allocate as one process's (every singular value masked alike)."""
     out, err = run_of(jobs, name)
     assert f"{TYPED_EXACT[name]['backend']} backend" in err
     one = tmp_path / "one"

@@ -151,6 +151,7 @@ def test_model_states_are_exact(precision, optim, tiny_model):
     "adapter",
     [
         {"peft_type": "oft"},
+        {"peft_type": "boft"},
         {"peft_type": "loha"},
         {"peft_type": "vera"},
         {"peft_type": "ia3"},
@@ -173,6 +174,19 @@ def test_an_adapter_that_is_not_a_uniform_lora_is_planned_as_peft_builds_it(adap
     plain = plan.estimate(load_architecture(str(tiny_model)), plan.setup_from(cfg)).trainable_parameters
     planned = lora_tune.plan(base=str(tiny_model), precision="fp32", rank=4, **adapter).estimate.trainable_parameters
     assert planned == trained and trained != plain  # the shapes alone would have counted a uniform LoRA of rank 4
+
+
+def test_boft_s_permutation_matrices_are_planned_whole_on_every_rank(tiny_model):
+    """BOFT keeps an fp32 permutation matrix of each adapted layer's input beside its trained blocks (peft
+    can't build it on the planner's meta skeleton, so BOFT declares its terms): the plan counts the bytes
+    the built model holds, on every rank whatever the backend shards."""
+    cfg = TrainConfig(base=str(tiny_model), data="d", output_dir="o", precision="fp32", rank=4, peft_type="boft")
+    model = add_lora(load_base_model(str(tiny_model), "fp32", torch.device("cpu")), cfg, "b")
+    held = sum(b.nbytes for name, b in model.named_buffers() if name.endswith("boft_P"))
+    assert held > 0
+    for sharded in ({}, {"zero": 3, "gpus": 2}, {"backend": "fsdp", "gpus": 2}):
+        estimate = lora_tune.plan(base=str(tiny_model), precision="fp32", rank=4, peft_type="boft", **sharded).estimate
+        assert estimate.per_device["adapter_fixed_bytes"] == held, sharded
 
 
 def _saved_bytes(tiny_model, precision: str, checkpointing: bool, seq: int, batch: int, chunk: int, kept: int = 0) -> int:

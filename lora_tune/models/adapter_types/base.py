@@ -29,10 +29,8 @@ class AdapterType:
     whether peft ships bitsandbytes layers for it (an 8/4-bit base). `reset(layer)`: peft's own
     per-layer init of the type's default (init_weights=True) on one tuner layer, run from a generator
     seeded by the layer's name, so a layer filled where it is loaded (FSDP2 streams the base in) starts
-    as on one process; None where a layer can't be filled alone (VeRA's projections are shared by
-    every layer; BOFT's butterfly permutations are computed on real values; OFT's rotation modules keep
-    index buffers that layer-by-layer loading can't rebuild). `step_hooks`: what the type does around
-    each optimizer step (StepHooks), None for most; `check_steps(cfg, total_steps)`: its refusal of a
+    as on one process (None for LoRA, whose inits lora_tune.models.inits runs). `step_hooks`: what
+    the type does around each optimizer step (StepHooks), None for most; `check_steps(cfg, total_steps)`: its refusal of a
     run length, before loading."""
 
     name: str
@@ -43,7 +41,13 @@ class AdapterType:
     # peft builds it on a base ZeRO-3 has already partitioned (it sizes the adapter from each layer's
     # in/out features or DeepSpeed's ds_shape; LoHa reads the weight's own shape, empty on every rank).
     partitioned_base: bool = True
+    # Makes the type's fixed (never trained) tensors real on a meta skeleton, before its layers stream
+    # in: VeRA's projections, shared by every layer; OFT's index buffers.
+    fixed: Callable | None = None
     step_hooks: Callable[..., StepHooks] | None = None
     check_steps: Callable | None = None
+    # What one adapted linear (n_in -> n_out) holds, for the planner where peft can't build the type on a
+    # meta skeleton: (element counts of its trained tensors, bytes of its fixed tensors); see BOFT.
+    planned: Callable[[int, int, object], tuple[list[int], int]] | None = None
     state_bytes: int = 0  # per trained element, kept by the step hooks beside the optimizer (the planner counts it)
     options: tuple[str, ...] = ()  # config fields only this type reads (refused with another one)

@@ -28,12 +28,11 @@ def is_lora(cfg) -> bool:
     return getattr(cfg, "peft_type", "lora") == "lora"
 
 
-def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
+def check(cfg, whole_gradients: bool) -> None:
     """Before loading: LoRA-only options with another type, another type's own options, a quantized
-    base peft has no layers for, a backend that partitions the base first (ZeRO-3) or streams it in
-    (FSDP2) where the type can't be built there, a type with step hooks on a backend whose ranks don't
-    hold every gradient whole (`whole_gradients`), each one line; the options the type has no knob for
-    are said once."""
+    base peft has no layers for, ZeRO-3 (it partitions the base first) where the type can't be built
+    there, a type with step hooks on a backend whose ranks don't hold every gradient whole
+    (`whole_gradients`), each one line; the options the type has no knob for are said once."""
     for other in TYPES.values():
         given = [name for name in other.options if getattr(cfg, name, None) is not None]
         if given and other.name != cfg.peft_type:
@@ -60,13 +59,7 @@ def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
         raise UserError(
             f"{flag}: peft sizes a {cfg.peft_type} adapter from each base weight's shape, and ZeRO-3 has partitioned the base "
             "before the adapter goes in (every rank sees empty weights): "
-            + ("use --backend fsdp (it fills each layer's adapter as the base streams in) or --zero 2" if kind.reset else "use --zero 2")
-        )
-    if partitioned and cfg.zero != 3 and kind.reset is None:  # ZeRO-3 puts the adapter in once the base is loaded (partitioned)
-        raise UserError(
-            f"{flag}: this backend streams the base in and fills each layer's adapter there, and a {cfg.peft_type} layer can't be "
-            "filled alone (its adapter depends on the others' or on real values): use --zero 1, 2 or 3 (ZeRO-3 puts the adapter in "
-            "once the base is partitioned)"
+            + "use --backend fsdp (it fills each layer's adapter as the base streams in) or --zero 2"
         )
     ignored = [f"--{option}" for option, knob in kind.knobs.items() if knob is None]
     if ignored:
@@ -77,9 +70,15 @@ def check(cfg, partitioned: bool, whole_gradients: bool) -> None:
 
 
 def reset_of(cfg):
-    """The per-layer init of the run's type (None for LoRA, whose inits lora_tune.models.inits runs, and
-    for a type whose layers can't be filled alone)."""
+    """The per-layer init of the run's type (None for LoRA, whose inits lora_tune.models.inits runs)."""
     return None if is_lora(cfg) else TYPES[cfg.peft_type].reset
+
+
+def draw_fixed(cfg, peft_model) -> None:
+    """The run's type's fixed tensors made real on a meta skeleton (AdapterType.fixed)."""
+    kind = TYPES[getattr(cfg, "peft_type", "lora")]
+    if kind.fixed:
+        kind.fixed(peft_model)
 
 
 def check_steps(cfg, total_steps: int) -> None:
@@ -87,6 +86,12 @@ def check_steps(cfg, total_steps: int) -> None:
     kind = TYPES[getattr(cfg, "peft_type", "lora")]
     if kind.check_steps:
         kind.check_steps(cfg, total_steps)
+
+
+def planned(cfg):
+    """The run's type's per-linear planner terms where peft can't build it on a meta skeleton
+    (AdapterType.planned), or None."""
+    return TYPES[getattr(cfg, "peft_type", "lora")].planned
 
 
 def state_bytes(cfg) -> int:
