@@ -48,22 +48,33 @@ def require_lm_eval():
         raise UserError('eval: lm-evaluation-harness is missing; pip install "lora-tune[eval]" (or pip install lm-eval)') from None
 
 
-# lm-eval's registry takes ~6 s to build (it indexes every task file it ships): built once per process
-# for each state of --include (its task files' contents), so a notebook's or a script's second
-# evaluation starts at once and an added, edited or removed task file is indexed anew.
+# lm-eval's registry takes ~6 s to build: it indexes the ~14,700 task files it ships. Tasks that are
+# all defined under --include are looked up in that folder's registry alone (lm-eval's
+# include_defaults=False), which builds at once; each registry is built once per process for each
+# state of --include (its task files' contents), so a notebook's or a script's second evaluation starts
+# at once and an added, edited or removed task file is indexed anew.
 TASK_MANAGERS: dict[tuple, object] = {}
 
 
-def task_manager(include: str | None):
-    """lm-eval's registry, plus the task YAMLs under `include`."""
-    from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency (the [eval] extra)
-
+def task_manager(include: str | None, tasks: list[str] = ()):
+    """lm-eval's registry, plus the task YAMLs under `include` (only those, when `tasks` are all
+    tasks defined there: no group or tag, which may name lm-eval's own)."""
     if include is not None and not Path(include).expanduser().is_dir():
         raise UserError(f"--include: {include} is not a folder; give the folder holding your task YAML files")
     folder = str(Path(include).expanduser().resolve()) if include else None
-    key = (folder, task_files(Path(folder)) if folder else ())
+    if folder and tasks:
+        local = registry(folder, defaults=False)
+        if set(tasks) <= set(local.all_subtasks):
+            return local
+    return registry(folder, defaults=True)
+
+
+def registry(folder: str | None, defaults: bool):
+    from lm_eval.tasks import TaskManager  # noqa: PLC0415 - optional dependency (the [eval] extra)
+
+    key = (folder, defaults, task_files(Path(folder)) if folder else ())
     if key not in TASK_MANAGERS:
-        TASK_MANAGERS[key] = TaskManager(include_path=folder)
+        TASK_MANAGERS[key] = TaskManager(include_path=folder, include_defaults=defaults)
     return TASK_MANAGERS[key]
 
 
@@ -138,7 +149,7 @@ def run_tasks(
     require_lm_eval()
     from lm_eval.models.huggingface import HFLM  # noqa: PLC0415 - optional dependency (the [eval] extra)
 
-    manager = manager or task_manager(include)
+    manager = manager or task_manager(include, tasks)
     check_tasks(manager, tasks)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
     return evaluate(lm, tasks, limit, num_fewshot, manager, quiet)
@@ -232,7 +243,7 @@ def run(cfg) -> dict:
     check_model_files(base_path if peft_dir else str(source), "--base" if peft_dir else "eval")
     if cfg.base_too:
         check_model_files(base_path, "--base")
-    manager = task_manager(cfg.include)
+    manager = task_manager(cfg.include, cfg.tasks)
     check_tasks(manager, cfg.tasks)
     check_task_definitions(manager, cfg.tasks)
 
@@ -334,7 +345,7 @@ def task_scorer(cfg: TrainConfig):
             "`lora-tune eval OUTPUT_DIR --tasks ...` after training"
         )
     require_lm_eval()
-    manager = task_manager(cfg.eval_tasks_include)
+    manager = task_manager(cfg.eval_tasks_include, cfg.eval_tasks)
     check_tasks(manager, cfg.eval_tasks)
     check_task_definitions(manager, cfg.eval_tasks)
 
