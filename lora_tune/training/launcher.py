@@ -72,15 +72,27 @@ def launch(args: list[str], nproc: int, output_dir: str, resume_command: str) ->
     if not failures:
         return next((c for c in codes if c != 0), 0)
     r, code = cause(list(failures.items()))
+    line = failure_line(r, code, output_dir, resume_command)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
+
+
+def failure_line(rank: int, code: int, output_dir: str, resume_command: str) -> str | None:
+    """The job's one line for the rank that ended it: which rank, how, the last complete checkpoint and
+    how to resume; None for a rank that refused its input (it said which and how to fix it, in its own
+    line, and a resume would not help)."""
+    if code == BAD_INPUT_EXIT:
+        return None
     how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
     if code == -signal.SIGKILL:
         how += " (the out-of-memory killer sends this)"
     good = ckpt.newest_complete(Path(output_dir).expanduser())
     kept = f"the last complete checkpoint is {good}" if good else "no checkpoint had been written"
-    print(f"error: rank {r} {how}; the other ranks were stopped. {kept}. Continue with: {resume_command}", file=sys.stderr, flush=True)
-    return 128 - code if code < 0 else code
+    return f"error: rank {rank} {how}; the other ranks were stopped. {kept}. Continue with: {resume_command}"
 
 
+BAD_INPUT_EXIT = 2  # a rank refused its input (lora_tune.errors.UserError), in its own `error:` line
 STOPPED = (0, 130, 143)  # exit codes of a rank that finished, or stopped on SIGINT / SIGTERM as asked
 GRACE_S = 5.0  # how long the other ranks get to notice a failed rank before they are killed
 

@@ -157,3 +157,17 @@ def test_ranks_that_all_exit_with_a_code_at_once_said_why_themselves():
     cause for the launcher to name; a rank killed meanwhile is one."""
     assert launcher.watch([ExitingRank(2, polls=0), ExitingRank(2, polls=0)], poll_s=0.001) == ({}, [2, 2])
     assert launcher.watch([ExitingRank(2, polls=0), ExitingRank(-9, polls=0)], poll_s=0.001) == ({1: -9}, [2, -9])
+
+
+def test_the_jobs_line_names_a_killed_rank_and_the_checkpoint_and_leaves_a_refusal_to_the_rank(tmp_path):
+    """A rank that refused its input (exit 2) printed its own `error:` line, which names the input and
+    the fix: the launcher adds none (it would say resume, which can't help). Any other end is one line."""
+    (tmp_path / "checkpoint-4").mkdir()
+    (tmp_path / "checkpoint-4" / "COMPLETE").write_text("")
+    assert launcher.failure_line(0, 2, str(tmp_path), "lora-tune train ... --resume") is None
+    line = launcher.failure_line(1, -signal.SIGKILL, str(tmp_path), "lora-tune train ... --resume")
+    assert line == (
+        "error: rank 1 was killed by SIGKILL (the out-of-memory killer sends this); the other ranks were stopped. "
+        f"the last complete checkpoint is {tmp_path / 'checkpoint-4'}. Continue with: lora-tune train ... --resume"
+    )
+    assert launcher.failure_line(0, 1, str(tmp_path / "none"), "c").startswith("error: rank 0 exited with code 1; ")
