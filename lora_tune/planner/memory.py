@@ -186,14 +186,15 @@ def with_adapter(cfg, arch: Architecture, setup: Setup, targets=None) -> Setup:
     (`targets`: the run's, resolved before loading; else resolved here on the meta skeleton)."""
     if uniform_lora(cfg) or arch.config is None:
         return setup
-    targets = targets or lora_targets(cfg, arch.config)
+    extra = adapter_types.state_bytes(cfg)
     terms = adapter_types.planned(cfg)
     if terms:  # peft can't build it on the meta skeleton: the type's own per-linear terms
-        adapted = [terms(n_in, n_out, cfg) for name, n_in, n_out in arch.linears if name in resolve_targets(arch.inventory, setup).modules]
+        modules = resolve_targets(arch.inventory, setup).modules
+        adapted = [terms(n_in, n_out, cfg) for name, n_in, n_out in arch.linears if name in modules]
         sizes, fixed = tuple(n for trained, _ in adapted for n in trained), sum(f for _, f in adapted)
-        return replace(setup, adapter_sizes=sizes, adapter_state_bytes=adapter_types.state_bytes(cfg), adapter_fixed_bytes=fixed)
+        return replace(setup, adapter_sizes=sizes, adapter_state_bytes=extra, adapter_fixed_bytes=fixed)
+    targets = targets or lora_targets(cfg, arch.config)
     sizes = trained_sizes(arch.config, cfg, targets) if targets is not None else None
-    extra = adapter_types.state_bytes(cfg)
     return replace(setup, adapter_sizes=sizes, adapter_state_bytes=extra) if sizes is not None else setup
 
 
